@@ -1,0 +1,17 @@
+//! Database migrations for Tether, shared by SQLite and PostgreSQL.
+//!
+//! Timestamps are stored as milliseconds since the Unix epoch (BIGINT) so that
+//! both backends compare and order them the same way.
+
+pub use sea_orm_migration::prelude::*;
+
+mod m0001_initial;
+
+pub struct Migrator;
+
+#[async_trait::async_trait]
+impl MigratorTrait for Migrator {
+    fn migrations() -> Vec<Box<dyn MigrationTrait>> {
+        vec![Box::new(m0001_initial::Migration)]
+    }
+}

@@ -1,0 +1,101 @@
+//! The subscription feed: register on the bus, catch up from the log, then
+//! follow live events, deduplicated by cursor. A lag or a gap on the bus is
+//! repaired from the log, never skipped.
+
+use std::sync::Arc;
+
+use futures_util::Stream;
+use tokio::sync::broadcast::error::RecvError;
+use uuid::Uuid;
+
+use crate::domain::cursor::Cursor;
+use crate::domain::event::Event;
+use crate::store::{Result, Store, reads};
+
+/// Events read from the log per query while catching up.
+const PAGE: u64 = 500;
+
+pub struct FeedRequest {
+    pub tenant: String,
+    pub conversation_id: Uuid,
+    /// Deliver persisted events after this cursor first; `None` starts live.
+    pub after: Option<Cursor>,
+    /// Only this run's events, ending after its final one.
+    pub run_id: Option<Uuid>,
+}
+
+pub fn follow(store: Store, request: FeedRequest) -> impl Stream<Item = Result<Arc<Event>>> {
+    async_stream::try_stream! {
+        let FeedRequest { tenant, conversation_id, after, run_id } = request;
+        let mut live = store.bus().subscribe(conversation_id);
+        // Read after registering on the bus: a run that ends later is seen
+        // live; one that has already ended has its whole story in the log.
+        let catch_up_only = match run_id {
+            Some(id) => match reads::run(store.db(), &tenant, id).await? {
+                Some(run) => reads::run_status(&run)?.is_ended(),
+                None => true,
+            },
+            None => false,
+        };
+        let mut last = match after {
+            Some(cursor) => cursor,
+            None => {
+                let row = reads::conversation(store.db(), &tenant, conversation_id).await?;
+                Cursor(row.map_or(0, |c| c.event_seq))
+            }
+        };
+        let wanted = |event: &Event| run_id.is_none() || event.run_id == run_id;
+        let mut behind = after.is_some();
+        loop {
+            if behind {
+                let page = reads::events_after(store.db(), &tenant, conversation_id, last, PAGE).await?;
+                behind = page.len() as u64 == PAGE;
+                for event in page {
+                    last = event.cursor;
+                    if wanted(&event) {
+                        let is_final = event.kind.is_final();
+                        yield Arc::new(event);
+                        if is_final && run_id.is_some() {
+                            return;
+                        }
+                    }
+                }
+                continue;
+            }
+            if catch_up_only {
+                return;
+            }
+            let event = match live.recv().await {
+                Ok(event) => event,
+                Err(RecvError::Lagged(_)) => {
+                    behind = true;
+                    continue;
+                }
+                Err(RecvError::Closed) => return,
+            };
+            if event.kind.is_persisted() {
+                if event.cursor <= last {
+                    continue;
+                }
+                if event.cursor != last.next() {
+                    // Published out of commit order: the log has the gap.
+                    behind = true;
+                    continue;
+                }
+                last = event.cursor;
+            } else if event.cursor > last {
+                // A delta ahead of the events we have sent: best effort, so
+                // drop it and catch up with what is persisted.
+                behind = true;
+                continue;
+            }
+            if wanted(&event) {
+                let is_final = event.kind.is_final();
+                yield event;
+                if is_final && run_id.is_some() {
+                    return;
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,216 @@
+//! GraphQL over HTTP, GraphiQL and the health probes.
+
+use async_graphql::http::{GraphiQLSource, WebSocketProtocols};
+use axum::body::{Body, Bytes};
+use axum::extract::{FromRequestParts, Query, Request, State, WebSocketUpgrade};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{Html, IntoResponse, Response};
+use http_body_util::{BodyExt, LengthLimitError, Limited};
+use serde::Deserialize;
+
+use super::context::RequestSnapshot;
+use super::error::bad_request;
+use super::{AppState, ws};
+
+const GRAPHQL_RESPONSE: &str = "application/graphql-response+json";
+
+pub async fn graphql_post(State(app): State<AppState>, request: Request) -> Response {
+    let (parts, body) = request.into_parts();
+    let viewer = match app.auth.verify_header(authorization(&parts.headers)) {
+        Ok(viewer) => viewer,
+        Err(_) => return unauthenticated(),
+    };
+    let bytes = match read_limited(body, app.limits.max_request_bytes).await {
+        Ok(bytes) => bytes,
+        Err(response) => return response,
+    };
+    let request: async_graphql::Request = match serde_json::from_slice(&bytes) {
+        Ok(request) => request,
+        Err(_) => {
+            return refusal(
+                StatusCode::BAD_REQUEST,
+                "the body must be a JSON GraphQL request",
+            );
+        }
+    };
+    execute(&app, viewer, request, &parts.headers).await
+}
+
+/// Queries over GET, or the WebSocket upgrade for subscriptions.
+pub async fn graphql_get(State(app): State<AppState>, request: Request) -> Response {
+    let (mut parts, _) = request.into_parts();
+    let wants_socket = parts
+        .headers
+        .get(header::UPGRADE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.eq_ignore_ascii_case("websocket"));
+    if wants_socket {
+        let upgrade = match WebSocketUpgrade::from_request_parts(&mut parts, &()).await {
+            Ok(upgrade) => upgrade,
+            Err(rejection) => return rejection.into_response(),
+        };
+        let Some(protocol) = negotiate_protocol(&parts.headers) else {
+            return refusal(
+                StatusCode::BAD_REQUEST,
+                "supported subprotocols: graphql-transport-ws, graphql-ws",
+            );
+        };
+        let max_frame = app.limits.max_request_bytes;
+        return upgrade
+            .protocols([protocol.sec_websocket_protocol()])
+            .max_message_size(max_frame)
+            .max_frame_size(max_frame)
+            .on_upgrade(move |socket| ws::serve(socket, protocol, app));
+    }
+    let viewer = match app.auth.verify_header(authorization(&parts.headers)) {
+        Ok(viewer) => viewer,
+        Err(_) => return unauthenticated(),
+    };
+    let query = parts.uri.query().unwrap_or_default();
+    if query.len() > app.limits.max_request_bytes {
+        return refusal(StatusCode::URI_TOO_LONG, "the query string is too long");
+    }
+    let request = match async_graphql::http::parse_query_string(query) {
+        Ok(request) => request,
+        Err(_) => return refusal(StatusCode::BAD_REQUEST, "malformed GraphQL query string"),
+    };
+    execute(&app, viewer, request, &parts.headers).await
+}
+
+async fn execute(
+    app: &AppState,
+    viewer: super::auth::Viewer,
+    request: async_graphql::Request,
+    headers: &HeaderMap,
+) -> Response {
+    let request = request
+        .data(viewer)
+        .data(RequestSnapshot::new(app.services.store.clone()));
+    let response = app.schema.execute(request).await;
+    let modern = headers
+        .get(header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.contains(GRAPHQL_RESPONSE));
+    // With the GraphQL-over-HTTP media type, a request refused before
+    // execution (no data at all) is a 400.
+    let status = if modern && response.data == async_graphql::Value::Null && response.is_err() {
+        StatusCode::BAD_REQUEST
+    } else {
+        StatusCode::OK
+    };
+    let content_type = if modern {
+        GRAPHQL_RESPONSE
+    } else {
+        "application/json"
+    };
+    json_response(status, content_type, &response)
+}
+
+fn authorization(headers: &HeaderMap) -> Option<&str> {
+    headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+}
+
+fn negotiate_protocol(headers: &HeaderMap) -> Option<WebSocketProtocols> {
+    match headers.get(header::SEC_WEBSOCKET_PROTOCOL) {
+        None => Some(WebSocketProtocols::GraphQLWS),
+        Some(value) => value
+            .to_str()
+            .ok()?
+            .split(',')
+            .find_map(|p| p.trim().parse().ok()),
+    }
+}
+
+async fn read_limited(body: Body, limit: usize) -> Result<Bytes, Response> {
+    match Limited::new(body, limit).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(err) if err.downcast_ref::<LengthLimitError>().is_some() => Err(refusal(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            &format!("the request body is larger than {limit} bytes"),
+        )),
+        Err(_) => Err(refusal(StatusCode::BAD_REQUEST, "the request body could not be read")),
+    }
+}
+
+fn json_response(status: StatusCode, content_type: &str, body: &impl serde::Serialize) -> Response {
+    match serde_json::to_vec(body) {
+        Ok(bytes) => {
+            let mut response = (status, bytes).into_response();
+            if let Ok(value) = HeaderValue::from_str(content_type) {
+                response.headers_mut().insert(header::CONTENT_TYPE, value);
+            }
+            response
+        }
+        Err(_) => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
+    }
+}
+
+fn errors_body(message: &str, code: &str) -> serde_json::Value {
+    serde_json::json!({ "errors": [{ "message": message, "extensions": { "code": code } }] })
+}
+
+/// A request refused before it reached the schema, as a GraphQL error.
+fn refusal(status: StatusCode, message: &str) -> Response {
+    let err = bad_request(message);
+    json_response(
+        status,
+        "application/json",
+        &async_graphql::Response::from_errors(vec![err]),
+    )
+}
+
+fn unauthenticated() -> Response {
+    let mut response = json_response(
+        StatusCode::UNAUTHORIZED,
+        "application/json",
+        &errors_body("unauthenticated", "UNAUTHENTICATED"),
+    );
+    response
+        .headers_mut()
+        .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+    response
+}
+
+#[derive(Deserialize)]
+pub struct GraphiqlParams {
+    token: Option<String>,
+}
+
+/// GraphiQL, wired to `/graphql` for queries and subscriptions. With
+/// `?token=JWT` the token is sent on both.
+pub async fn graphiql(Query(params): Query<GraphiqlParams>) -> Response {
+    // A JWT is base64url segments and dots; anything else is not embedded.
+    let token = params.token.filter(|t| {
+        !t.is_empty()
+            && t.len() < 4096
+            && t.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.')
+    });
+    let bearer = token.map(|t| format!("Bearer {t}"));
+    let mut source = GraphiQLSource::build()
+        .endpoint("/graphql")
+        .subscription_endpoint("/graphql")
+        .title("Tether GraphiQL");
+    if let Some(bearer) = &bearer {
+        source = source
+            .header("Authorization", bearer)
+            .ws_connection_param("Authorization", bearer);
+    }
+    Html(source.finish()).into_response()
+}
+
+pub async fn healthz() -> &'static str {
+    "ok"
+}
+
+pub async fn readyz(State(app): State<AppState>) -> Response {
+    match app.services.store.ping().await {
+        Ok(()) => "ready".into_response(),
+        Err(err) => {
+            tracing::warn!(error = %err, "readiness check failed");
+            (StatusCode::SERVICE_UNAVAILABLE, "database unreachable").into_response()
+        }
+    }
+}

@@ -1,0 +1,144 @@
+use async_graphql::{Context, ID, InputObject, Object, SimpleObject};
+
+use super::context::{services, viewer};
+use super::error::{ApiError, ApiResult};
+use super::types::{Conversation, Message, Run, parse_id};
+use crate::domain::ActiveRunStrategy;
+use crate::store::commands::{self, Actor, NewConversation, NewMessage};
+
+pub struct Mutation;
+
+/// The longest accepted `clientMessageId`, in bytes.
+const MAX_CLIENT_MESSAGE_ID: usize = 200;
+
+#[derive(InputObject)]
+pub struct CreateConversationInput {
+    /// An agent's name; the configured default agent when absent.
+    agent: Option<String>,
+    title: Option<String>,
+}
+
+#[derive(InputObject)]
+pub struct SendMessageInput {
+    conversation_id: ID,
+    text: String,
+    /// A retried mutation with the same id returns the original message and
+    /// run.
+    client_message_id: Option<String>,
+    #[graphql(default_with = "ActiveRunStrategy::Queue")]
+    on_active_run: ActiveRunStrategy,
+}
+
+#[derive(SimpleObject)]
+pub struct SendMessagePayload {
+    message: Message,
+    run: Run,
+}
+
+fn actor(ctx: &Context<'_>) -> ApiResult<Actor> {
+    let viewer = viewer(ctx)?;
+    Ok(Actor {
+        tenant: viewer.tenant.clone(),
+        principal: viewer.principal.clone(),
+    })
+}
+
+#[Object]
+impl Mutation {
+    async fn create_conversation(
+        &self,
+        ctx: &Context<'_>,
+        input: CreateConversationInput,
+    ) -> ApiResult<Conversation> {
+        let services = services(ctx);
+        let config = &services.config;
+        let agent = match input.agent {
+            Some(name) => config
+                .agent(&name)
+                .ok_or_else(|| ApiError::bad_key("agent", "unknown agent"))?
+                .name
+                .clone(),
+            None => config.default_agent_name().to_owned(),
+        };
+        let title = input.title.map(|t| t.trim().to_owned()).filter(|t| !t.is_empty());
+        if let Some(title) = &title
+            && title.chars().count() > config.api.max_title_chars
+        {
+            return Err(ApiError::bad_key(
+                "title",
+                format!("title is longer than {} characters", config.api.max_title_chars),
+            ));
+        }
+        let row = commands::create_conversation(
+            &services.store,
+            &actor(ctx)?,
+            NewConversation { agent, title },
+        )
+        .await?;
+        Ok(Conversation(row))
+    }
+
+    /// Stores the message and a queued run for it, in one transaction.
+    async fn send_message(
+        &self,
+        ctx: &Context<'_>,
+        input: SendMessageInput,
+    ) -> ApiResult<SendMessagePayload> {
+        let services = services(ctx);
+        let limit = services.config.api.max_message_bytes;
+        if input.text.trim().is_empty() {
+            return Err(ApiError::bad_key("text", "text must not be empty"));
+        }
+        if input.text.len() > limit {
+            return Err(ApiError::bad_key(
+                "text",
+                format!("text is longer than {limit} bytes"),
+            ));
+        }
+        if let Some(id) = &input.client_message_id
+            && (id.is_empty() || id.len() > MAX_CLIENT_MESSAGE_ID)
+        {
+            return Err(ApiError::bad_key(
+                "clientMessageId",
+                format!("clientMessageId must be 1 to {MAX_CLIENT_MESSAGE_ID} bytes"),
+            ));
+        }
+        let conversation_id = parse_id(&input.conversation_id).ok_or(ApiError::NotFound)?;
+        let actor = actor(ctx)?;
+        let conversation = crate::store::reads::conversation(
+            services.store.db(),
+            &actor.tenant,
+            conversation_id,
+        )
+        .await?
+        .ok_or(ApiError::NotFound)?;
+        let max_attempts = services
+            .config
+            .agent(&conversation.agent)
+            .map_or(1, |agent| agent.retry.max_attempts as i32);
+        let (message, run) = commands::send_message(
+            &services.store,
+            &actor,
+            NewMessage {
+                conversation_id,
+                text: input.text,
+                client_message_id: input.client_message_id,
+                on_active_run: input.on_active_run,
+                max_attempts,
+            },
+        )
+        .await?;
+        Ok(SendMessagePayload {
+            message: Message::new(message),
+            run: Run(run),
+        })
+    }
+
+    /// Ends a run that has not started in this transaction; returns an ended
+    /// run unchanged.
+    async fn cancel_run(&self, ctx: &Context<'_>, run_id: ID) -> ApiResult<Run> {
+        let run_id = parse_id(&run_id).ok_or(ApiError::NotFound)?;
+        let row = commands::cancel_run(&services(ctx).store, &actor(ctx)?, run_id).await?;
+        Ok(Run(row))
+    }
+}

@@ -1,0 +1,156 @@
+use async_graphql::{Context, ID, Object, SimpleObject};
+
+use super::context::{services, snapshot, viewer};
+use super::error::{ApiError, ApiResult};
+use super::events::{EventPage, TransportEvent};
+use super::types::{Conversation, ConversationConnection, Message, Part, Run, parse_id, to_id};
+use crate::domain::cursor::Cursor;
+use crate::store::reads;
+
+pub struct Query;
+
+/// The authenticated caller.
+#[derive(SimpleObject)]
+#[graphql(name = "Viewer")]
+pub struct ViewerInfo {
+    tenant: String,
+    principal: String,
+}
+
+#[derive(SimpleObject)]
+pub struct Agent {
+    name: String,
+    model: String,
+    tools: Vec<String>,
+}
+
+pub fn parse_cursor(text: &str) -> ApiResult<Cursor> {
+    Cursor::parse(text).map_err(|_| ApiError::bad_key("after", "malformed cursor"))
+}
+
+#[Object]
+impl Query {
+    async fn me(&self, ctx: &Context<'_>) -> ApiResult<ViewerInfo> {
+        let viewer = viewer(ctx)?;
+        Ok(ViewerInfo {
+            tenant: viewer.tenant.clone(),
+            principal: viewer.principal.clone(),
+        })
+    }
+
+    async fn agents(&self, ctx: &Context<'_>) -> Vec<Agent> {
+        services(ctx)
+            .config
+            .agents
+            .iter()
+            .map(|agent| Agent {
+                name: agent.name.clone(),
+                model: agent.model_name().to_owned(),
+                tools: agent.tools.clone(),
+            })
+            .collect()
+    }
+
+    async fn conversation(&self, ctx: &Context<'_>, id: ID) -> ApiResult<Option<Conversation>> {
+        let Some(id) = parse_id(&id) else {
+            return Ok(None);
+        };
+        let db = snapshot(ctx).await?;
+        let row = reads::conversation(&*db, &viewer(ctx)?.tenant, id).await?;
+        Ok(row.map(Conversation))
+    }
+
+    /// Newest first.
+    async fn conversations(
+        &self,
+        ctx: &Context<'_>,
+        #[graphql(default = 20)] first: i32,
+        after: Option<String>,
+    ) -> ApiResult<ConversationConnection> {
+        if !(0..=100).contains(&first) {
+            return Err(ApiError::bad_key("first", "first must be between 0 and 100"));
+        }
+        let after = match after {
+            Some(text) => Some(
+                parse_id(&ID(text)).ok_or_else(|| ApiError::bad_key("after", "malformed cursor"))?,
+            ),
+            None => None,
+        };
+        let db = snapshot(ctx).await?;
+        let (rows, has_more) =
+            reads::conversations(&*db, &viewer(ctx)?.tenant, first as u64, after).await?;
+        Ok(ConversationConnection {
+            end_cursor: rows.last().map(|c| to_id(c.id).to_string()),
+            nodes: rows.into_iter().map(Conversation).collect(),
+            has_more,
+        })
+    }
+
+    async fn message(&self, ctx: &Context<'_>, id: ID) -> ApiResult<Option<Message>> {
+        let Some(id) = parse_id(&id) else {
+            return Ok(None);
+        };
+        let db = snapshot(ctx).await?;
+        let row = reads::message(&*db, &viewer(ctx)?.tenant, id).await?;
+        Ok(row.map(Message::new))
+    }
+
+    async fn part(&self, ctx: &Context<'_>, id: ID) -> ApiResult<Option<Part>> {
+        let Some(id) = parse_id(&id) else {
+            return Ok(None);
+        };
+        let db = snapshot(ctx).await?;
+        let row = reads::part(&*db, &viewer(ctx)?.tenant, id).await?;
+        Ok(row.map(Part))
+    }
+
+    async fn run(&self, ctx: &Context<'_>, id: ID) -> ApiResult<Option<Run>> {
+        let Some(id) = parse_id(&id) else {
+            return Ok(None);
+        };
+        let db = snapshot(ctx).await?;
+        let row = reads::run(&*db, &viewer(ctx)?.tenant, id).await?;
+        Ok(row.map(Run))
+    }
+
+    /// Persisted events of a conversation after `after` (from the first
+    /// event without it), oldest first.
+    async fn events(
+        &self,
+        ctx: &Context<'_>,
+        conversation_id: ID,
+        after: Option<String>,
+        #[graphql(default = 500)] first: i32,
+    ) -> ApiResult<EventPage> {
+        if !(0..=1000).contains(&first) {
+            return Err(ApiError::bad_key("first", "first must be between 0 and 1000"));
+        }
+        let after = after.as_deref().map(parse_cursor).transpose()?;
+        let conversation_id = parse_id(&conversation_id).ok_or(ApiError::NotFound)?;
+        let tenant = &viewer(ctx)?.tenant;
+        let db = snapshot(ctx).await?;
+        reads::conversation(&*db, tenant, conversation_id)
+            .await?
+            .ok_or(ApiError::NotFound)?;
+        let mut events = reads::events_after(
+            &*db,
+            tenant,
+            conversation_id,
+            after.unwrap_or(Cursor::START),
+            first as u64 + 1,
+        )
+        .await?;
+        let has_more = events.len() > first as usize;
+        events.truncate(first as usize);
+        let end_cursor = events
+            .last()
+            .map(|e| e.cursor)
+            .or(after)
+            .map(|c| c.to_string());
+        Ok(EventPage {
+            events: events.iter().map(TransportEvent::from).collect(),
+            end_cursor,
+            has_more,
+        })
+    }
+}

@@ -1,0 +1,77 @@
+use async_graphql::{Context, ID, Subscription};
+use futures_util::{Stream, StreamExt};
+
+use super::context::{services, viewer};
+use super::error::{ApiError, ApiResult};
+use super::events::TransportEvent;
+use super::feed::{FeedRequest, follow};
+use super::query::parse_cursor;
+use super::types::parse_id;
+use crate::store::reads;
+
+pub struct Subscription;
+
+type EventStream = std::pin::Pin<Box<dyn Stream<Item = ApiResult<TransportEvent>> + Send>>;
+
+fn to_transport(
+    stream: impl Stream<Item = crate::store::Result<std::sync::Arc<crate::domain::event::Event>>>
+    + Send
+    + 'static,
+) -> EventStream {
+    stream
+        .map(|item| {
+            item.map(|event| TransportEvent::from(&*event))
+                .map_err(ApiError::from)
+        })
+        .boxed()
+}
+
+#[Subscription]
+impl Subscription {
+    /// Every persisted event after `after`, exactly once and in order, then
+    /// live events. Without `after`, starts live.
+    async fn conversation_events(
+        &self,
+        ctx: &Context<'_>,
+        conversation_id: ID,
+        after: Option<String>,
+    ) -> Result<EventStream, ApiError> {
+        let after = after.as_deref().map(parse_cursor).transpose()?;
+        let tenant = viewer(ctx)?.tenant.clone();
+        let store = services(ctx).store.clone();
+        let conversation_id = parse_id(&conversation_id).ok_or(ApiError::NotFound)?;
+        reads::conversation(store.db(), &tenant, conversation_id)
+            .await?
+            .ok_or(ApiError::NotFound)?;
+        let request = FeedRequest {
+            tenant,
+            conversation_id,
+            after,
+            run_id: None,
+        };
+        Ok(to_transport(follow(store, request)))
+    }
+
+    /// One run's events; completes after the run's final event.
+    async fn run_events(
+        &self,
+        ctx: &Context<'_>,
+        run_id: ID,
+        after: Option<String>,
+    ) -> Result<EventStream, ApiError> {
+        let after = after.as_deref().map(parse_cursor).transpose()?;
+        let tenant = viewer(ctx)?.tenant.clone();
+        let store = services(ctx).store.clone();
+        let run_id = parse_id(&run_id).ok_or(ApiError::NotFound)?;
+        let run = reads::run(store.db(), &tenant, run_id)
+            .await?
+            .ok_or(ApiError::NotFound)?;
+        let request = FeedRequest {
+            tenant,
+            conversation_id: run.conversation_id,
+            after,
+            run_id: Some(run_id),
+        };
+        Ok(to_transport(follow(store, request)))
+    }
+}

@@ -1,0 +1,303 @@
+//! GraphQL object types over stored rows.
+
+use async_graphql::{Context, ID, Json, Object, Scalar, ScalarType, Value};
+use uuid::Uuid;
+
+use super::context::{snapshot, viewer};
+use super::error::{ApiError, ApiResult};
+use crate::domain::cursor::Cursor;
+use crate::domain::run::{EndCause, RunError, RunStatus, Usage};
+use crate::domain::time::{Millis, from_rfc3339, to_rfc3339};
+use crate::domain::{MessageRole, PartKind, PartState};
+use crate::store::entities::{conversation, message, part, run};
+use crate::store::{parse_stored, reads};
+
+/// RFC 3339 in UTC with `Z` and exactly milliseconds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DateTime(pub Millis);
+
+#[Scalar(name = "DateTime")]
+impl ScalarType for DateTime {
+    fn parse(value: Value) -> async_graphql::InputValueResult<Self> {
+        match &value {
+            Value::String(text) => from_rfc3339(text)
+                .map(DateTime)
+                .ok_or_else(|| async_graphql::InputValueError::custom("expected RFC 3339")),
+            _ => Err(async_graphql::InputValueError::expected_type(value)),
+        }
+    }
+
+    fn to_value(&self) -> Value {
+        Value::String(to_rfc3339(self.0).unwrap_or_default())
+    }
+}
+
+/// A malformed id counts as unknown.
+pub fn parse_id(id: &ID) -> Option<Uuid> {
+    Uuid::try_parse(id.as_str()).ok()
+}
+
+pub fn to_id(id: Uuid) -> ID {
+    ID(id.to_string())
+}
+
+pub struct Conversation(pub conversation::Model);
+
+#[Object]
+impl Conversation {
+    async fn id(&self) -> ID {
+        to_id(self.0.id)
+    }
+
+    async fn agent(&self) -> &str {
+        &self.0.agent
+    }
+
+    async fn title(&self) -> Option<&str> {
+        self.0.title.as_deref()
+    }
+
+    async fn created_at(&self) -> DateTime {
+        DateTime(self.0.created_at)
+    }
+
+    /// The last `last` messages (before `before`, when given), oldest first.
+    async fn messages(
+        &self,
+        ctx: &Context<'_>,
+        #[graphql(default = 100)] last: i32,
+        before: Option<ID>,
+    ) -> ApiResult<Vec<Message>> {
+        if !(0..=500).contains(&last) {
+            return Err(ApiError::bad_key("last", "last must be between 0 and 500"));
+        }
+        let before = match before {
+            Some(id) => Some(parse_id(&id).ok_or(ApiError::NotFound)?),
+            None => None,
+        };
+        let tenant = &viewer(ctx)?.tenant;
+        let db = snapshot(ctx).await?;
+        let rows = reads::messages(&*db, tenant, self.0.id, last as u64, before).await?;
+        let ids: Vec<Uuid> = rows.iter().map(|m| m.id).collect();
+        let mut parts = reads::parts_of(&*db, tenant, &ids).await?;
+        Ok(rows
+            .into_iter()
+            .map(|row| {
+                let preloaded = parts.remove(&row.id).unwrap_or_default();
+                Message::with_parts(row, preloaded)
+            })
+            .collect())
+    }
+
+    /// Every run of the conversation, oldest first.
+    async fn runs(&self, ctx: &Context<'_>) -> ApiResult<Vec<Run>> {
+        let tenant = &viewer(ctx)?.tenant;
+        let db = snapshot(ctx).await?;
+        let rows = reads::runs_of(&*db, tenant, self.0.id).await?;
+        Ok(rows.into_iter().map(Run).collect())
+    }
+
+    /// The oldest run that has not ended, queued ones included.
+    async fn active_run(&self, ctx: &Context<'_>) -> ApiResult<Option<Run>> {
+        let tenant = &viewer(ctx)?.tenant;
+        let db = snapshot(ctx).await?;
+        let rows = reads::unended_runs(&*db, tenant, self.0.id).await?;
+        Ok(rows.into_iter().next().map(Run))
+    }
+
+    /// The cursor of the newest event, read in the same snapshot as the
+    /// messages and runs beside it; a before-first cursor when empty.
+    async fn last_cursor(&self, ctx: &Context<'_>) -> ApiResult<String> {
+        let tenant = &viewer(ctx)?.tenant;
+        let db = snapshot(ctx).await?;
+        let row = reads::conversation(&*db, tenant, self.0.id)
+            .await?
+            .ok_or(ApiError::NotFound)?;
+        Ok(Cursor(row.event_seq).to_string())
+    }
+}
+
+#[derive(async_graphql::SimpleObject)]
+pub struct ConversationConnection {
+    pub nodes: Vec<Conversation>,
+    pub end_cursor: Option<String>,
+    pub has_more: bool,
+}
+
+pub struct Message {
+    row: message::Model,
+    parts: Option<Vec<part::Model>>,
+}
+
+impl Message {
+    pub fn new(row: message::Model) -> Message {
+        Message { row, parts: None }
+    }
+
+    fn with_parts(row: message::Model, parts: Vec<part::Model>) -> Message {
+        Message {
+            row,
+            parts: Some(parts),
+        }
+    }
+}
+
+#[Object]
+impl Message {
+    async fn id(&self) -> ID {
+        to_id(self.row.id)
+    }
+
+    async fn conversation_id(&self) -> ID {
+        to_id(self.row.conversation_id)
+    }
+
+    async fn role(&self) -> ApiResult<MessageRole> {
+        stored(&self.row.role, "message role")
+    }
+
+    async fn run_id(&self) -> Option<ID> {
+        self.row.run_id.map(to_id)
+    }
+
+    async fn created_at(&self) -> DateTime {
+        DateTime(self.row.created_at)
+    }
+
+    /// The message's parts, in order.
+    async fn parts(&self, ctx: &Context<'_>) -> ApiResult<Vec<Part>> {
+        let rows = match &self.parts {
+            Some(rows) => rows.clone(),
+            None => {
+                let tenant = &viewer(ctx)?.tenant;
+                let db = snapshot(ctx).await?;
+                reads::parts_of(&*db, tenant, &[self.row.id])
+                    .await?
+                    .remove(&self.row.id)
+                    .unwrap_or_default()
+            }
+        };
+        Ok(rows.into_iter().map(Part).collect())
+    }
+}
+
+pub struct Part(pub part::Model);
+
+#[Object]
+impl Part {
+    async fn id(&self) -> ID {
+        to_id(self.0.id)
+    }
+
+    async fn message_id(&self) -> ID {
+        to_id(self.0.message_id)
+    }
+
+    async fn index(&self) -> i32 {
+        self.0.idx
+    }
+
+    async fn kind(&self) -> ApiResult<PartKind> {
+        stored(&self.0.kind, "part kind")
+    }
+
+    async fn state(&self) -> ApiResult<PartState> {
+        stored(&self.0.state, "part state")
+    }
+
+    /// The text of TEXT, REASONING, ERROR and NOTICE parts.
+    async fn text(&self) -> Option<&str> {
+        self.0.text.as_deref()
+    }
+
+    async fn data(&self) -> Option<Json<serde_json::Value>> {
+        self.0.data.clone().map(Json)
+    }
+}
+
+pub struct Run(pub run::Model);
+
+#[Object]
+impl Run {
+    async fn id(&self) -> ID {
+        to_id(self.0.id)
+    }
+
+    async fn conversation_id(&self) -> ID {
+        to_id(self.0.conversation_id)
+    }
+
+    async fn status(&self) -> ApiResult<RunStatus> {
+        stored(&self.0.status, "run status")
+    }
+
+    async fn end_cause(&self) -> ApiResult<Option<EndCause>> {
+        self.0
+            .end_cause
+            .as_deref()
+            .map(|text| stored(text, "end cause"))
+            .transpose()
+    }
+
+    async fn error(&self) -> ApiResult<Option<RunError>> {
+        self.0
+            .error
+            .clone()
+            .map(|value| {
+                serde_json::from_value(value).map_err(|e| {
+                    tracing::error!(error = %e, "corrupt run error");
+                    ApiError::Internal
+                })
+            })
+            .transpose()
+    }
+
+    async fn cancel_requested(&self) -> bool {
+        self.0.cancel_requested
+    }
+
+    /// The 1-based attempt of the current model request; 0 before the first.
+    async fn attempt(&self) -> i32 {
+        self.0.attempt
+    }
+
+    async fn max_attempts(&self) -> i32 {
+        self.0.max_attempts
+    }
+
+    async fn next_attempt_at(&self) -> Option<DateTime> {
+        self.0.next_attempt_at.map(DateTime)
+    }
+
+    async fn steps(&self) -> i32 {
+        self.0.steps
+    }
+
+    async fn usage(&self) -> Usage {
+        Usage {
+            input_tokens: self.0.input_tokens,
+            output_tokens: self.0.output_tokens,
+            cost_usd: self.0.cost_usd,
+        }
+    }
+
+    async fn created_at(&self) -> DateTime {
+        DateTime(self.0.created_at)
+    }
+
+    async fn started_at(&self) -> Option<DateTime> {
+        self.0.started_at.map(DateTime)
+    }
+
+    async fn ended_at(&self) -> Option<DateTime> {
+        self.0.ended_at.map(DateTime)
+    }
+}
+
+/// Reads a stored enum, failing closed on a value this build does not know.
+fn stored<T: std::str::FromStr>(value: &str, what: &str) -> ApiResult<T>
+where
+    T::Err: std::fmt::Display,
+{
+    parse_stored(value, what).map_err(ApiError::from)
+}

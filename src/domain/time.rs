@@ -1,0 +1,50 @@
+//! Timestamps are milliseconds since the Unix epoch, in UTC, everywhere below
+//! the API; the API renders them as RFC 3339 with exactly milliseconds.
+
+use chrono::{DateTime, SecondsFormat, Utc};
+
+/// Milliseconds since the Unix epoch.
+pub type Millis = i64;
+
+pub fn now_millis() -> Millis {
+    Utc::now().timestamp_millis()
+}
+
+/// `2026-11-29T13:48:34.123Z`; `None` for a value outside chrono's range.
+pub fn to_rfc3339(millis: Millis) -> Option<String> {
+    DateTime::<Utc>::from_timestamp_millis(millis)
+        .map(|t| t.to_rfc3339_opts(SecondsFormat::Millis, true))
+}
+
+/// Parses RFC 3339 with any offset and precision, truncating to milliseconds.
+pub fn from_rfc3339(text: &str) -> Option<Millis> {
+    DateTime::parse_from_rfc3339(text)
+        .ok()
+        .map(|t| t.with_timezone(&Utc).timestamp_millis())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_utc_with_exactly_milliseconds() {
+        assert_eq!(
+            to_rfc3339(1_795_960_114_123).as_deref(),
+            Some("2026-11-29T13:48:34.123Z")
+        );
+        assert_eq!(
+            to_rfc3339(1_795_960_114_000).as_deref(),
+            Some("2026-11-29T13:48:34.000Z")
+        );
+    }
+
+    #[test]
+    fn parses_offsets_into_utc() {
+        assert_eq!(
+            from_rfc3339("2026-11-29T14:48:34.123+01:00"),
+            Some(1_795_960_114_123)
+        );
+        assert_eq!(from_rfc3339("yesterday"), None);
+    }
+}

@@ -1,0 +1,223 @@
+//! The API's writes: each is one transaction that changes state and appends
+//! the events reporting it.
+
+use sea_orm::{ActiveModelTrait, ActiveValue::Set, ColumnTrait, EntityTrait, QueryFilter};
+use uuid::Uuid;
+
+use super::entities::{conversation, message, part, run};
+use super::{Error, Result, Store, is_unique_violation, reads};
+use crate::domain::event::NewEvent;
+use crate::domain::run::{EndCause, RunStatus, end_parked};
+use crate::domain::time::now_millis;
+use crate::domain::{ActiveRunStrategy, MessageRole, PartKind, PartState};
+
+/// Who acts: every write belongs to the caller's tenant.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Actor {
+    pub tenant: String,
+    pub principal: String,
+}
+
+pub struct NewConversation {
+    pub agent: String,
+    pub title: Option<String>,
+}
+
+pub struct NewMessage {
+    pub conversation_id: Uuid,
+    pub text: String,
+    pub client_message_id: Option<String>,
+    pub on_active_run: ActiveRunStrategy,
+    /// `agents.retry.max_attempts` of the conversation's agent.
+    pub max_attempts: i32,
+}
+
+pub async fn create_conversation(
+    store: &Store,
+    actor: &Actor,
+    new: NewConversation,
+) -> Result<conversation::Model> {
+    let row = conversation::ActiveModel {
+        id: Set(Uuid::now_v7()),
+        tenant: Set(actor.tenant.clone()),
+        principal: Set(actor.principal.clone()),
+        agent: Set(new.agent),
+        title: Set(new.title),
+        created_at: Set(now_millis()),
+        event_seq: Set(0),
+    };
+    Ok(row.insert(store.db()).await?)
+}
+
+/// Stores the user's message and a queued run for it in one transaction,
+/// with `message.created` and `run.queued`. A repeated `client_message_id`
+/// returns the original pair and stores nothing.
+pub async fn send_message(
+    store: &Store,
+    actor: &Actor,
+    new: NewMessage,
+) -> Result<(message::Model, run::Model)> {
+    let mut tx = store.begin_write().await?;
+    let conversation = tx
+        .lock_conversation(new.conversation_id, &actor.tenant)
+        .await?;
+
+    if let Some(client_id) = &new.client_message_id
+        && let Some(original) = message::Entity::find()
+            .filter(message::Column::ConversationId.eq(conversation.id))
+            .filter(message::Column::ClientMessageId.eq(client_id.as_str()))
+            .one(&*tx)
+            .await?
+    {
+        let run_id = original
+            .run_id
+            .ok_or_else(|| Error::Corrupt("user message without its run".into()))?;
+        let run = run::Entity::find_by_id(run_id)
+            .one(&*tx)
+            .await?
+            .ok_or_else(|| Error::Corrupt("user message's run is missing".into()))?;
+        return Ok((original, run));
+    }
+
+    let mut events = Vec::new();
+    let active = reads::unended_runs(&*tx, &actor.tenant, conversation.id).await?;
+    match new.on_active_run {
+        ActiveRunStrategy::Queue => {}
+        ActiveRunStrategy::Reject if !active.is_empty() => {
+            return Err(Error::Conflict(
+                "the conversation has an active run".to_owned(),
+            ));
+        }
+        ActiveRunStrategy::Reject => {}
+        ActiveRunStrategy::Interrupt => {
+            for row in active {
+                events.extend(end_run(&tx, row, EndCause::Interrupted).await?);
+            }
+        }
+    }
+
+    let now = now_millis();
+    let message_id = Uuid::now_v7();
+    let run_id = Uuid::now_v7();
+    let message = message::ActiveModel {
+        id: Set(message_id),
+        conversation_id: Set(conversation.id),
+        tenant: Set(actor.tenant.clone()),
+        role: Set(MessageRole::User.as_str().to_owned()),
+        run_id: Set(Some(run_id)),
+        client_message_id: Set(new.client_message_id.clone()),
+        created_at: Set(now),
+    }
+    .insert(&*tx)
+    .await
+    .map_err(|e| {
+        if is_unique_violation(&e) {
+            Error::Conflict("clientMessageId is already in use".to_owned())
+        } else {
+            Error::Database(e)
+        }
+    })?;
+    part::ActiveModel {
+        id: Set(Uuid::now_v7()),
+        message_id: Set(message_id),
+        conversation_id: Set(conversation.id),
+        tenant: Set(actor.tenant.clone()),
+        idx: Set(0),
+        kind: Set(PartKind::Text.as_str().to_owned()),
+        state: Set(PartState::Done.as_str().to_owned()),
+        text: Set(Some(new.text)),
+        data: Set(None),
+        created_at: Set(now),
+        updated_at: Set(now),
+    }
+    .insert(&*tx)
+    .await?;
+    let run = run::ActiveModel {
+        id: Set(run_id),
+        conversation_id: Set(conversation.id),
+        tenant: Set(actor.tenant.clone()),
+        principal: Set(actor.principal.clone()),
+        agent: Set(conversation.agent.clone()),
+        trigger_message_id: Set(message_id),
+        status: Set(RunStatus::Queued.as_str().to_owned()),
+        end_cause: Set(None),
+        error: Set(None),
+        cancel_requested: Set(false),
+        attempt: Set(0),
+        max_attempts: Set(new.max_attempts),
+        next_attempt_at: Set(None),
+        steps: Set(0),
+        input_tokens: Set(0),
+        output_tokens: Set(0),
+        cost_usd: Set(0.0),
+        created_at: Set(now),
+        started_at: Set(None),
+        ended_at: Set(None),
+        lease_owner: Set(None),
+        lease_epoch: Set(0),
+        lease_expires_at: Set(None),
+        recoveries: Set(0),
+    }
+    .insert(&*tx)
+    .await?;
+
+    events.push(NewEvent::message_created(
+        message_id,
+        MessageRole::User,
+        Some(run_id),
+    ));
+    events.extend(NewEvent::run_status(run_id, RunStatus::Queued));
+    tx.append(&conversation, events).await?;
+    store.commit(tx).await?;
+    Ok((message, run))
+}
+
+/// Cancels a run no worker holds, in this transaction; returns an ended run
+/// unchanged.
+pub async fn cancel_run(store: &Store, actor: &Actor, run_id: Uuid) -> Result<run::Model> {
+    let Some(found) = reads::run(store.db(), &actor.tenant, run_id).await? else {
+        return Err(Error::NotFound);
+    };
+    let mut tx = store.begin_write().await?;
+    let conversation = tx
+        .lock_conversation(found.conversation_id, &actor.tenant)
+        .await?;
+    // Read again under the lock: the run may have moved since.
+    let row = run::Entity::find_by_id(run_id)
+        .one(&*tx)
+        .await?
+        .ok_or(Error::NotFound)?;
+    let status = reads::run_status(&row)?;
+    if status.is_ended() {
+        return Ok(row);
+    }
+    if !status.is_parked() {
+        return Err(Error::Conflict(format!(
+            "a {status} run cannot be cancelled yet"
+        )));
+    }
+    let events = end_run(&tx, row, EndCause::Cancelled).await?;
+    tx.append(&conversation, events).await?;
+    store.commit(tx).await?;
+    reads::run(store.db(), &actor.tenant, run_id)
+        .await?
+        .ok_or(Error::NotFound)
+}
+
+/// Ends a run that no worker holds, returning the events that report it.
+async fn end_run(
+    tx: &super::WriteTx,
+    row: run::Model,
+    cause: EndCause,
+) -> Result<Vec<NewEvent>> {
+    let from = reads::run_status(&row)?;
+    let to = end_parked(from, cause).map_err(|e| Error::Conflict(e.to_string()))?;
+    let run_id = row.id;
+    let mut active: run::ActiveModel = row.into();
+    active.status = Set(to.as_str().to_owned());
+    active.end_cause = Set(Some(cause.as_str().to_owned()));
+    active.ended_at = Set(Some(now_millis()));
+    active.next_attempt_at = Set(None);
+    active.update(&**tx).await?;
+    Ok(NewEvent::run_status(run_id, to).into_iter().collect())
+}

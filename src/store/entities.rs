@@ -1,0 +1,135 @@
+//! sea-orm entities: one module per table. Timestamps are epoch milliseconds.
+
+pub mod conversation {
+    use sea_orm::entity::prelude::*;
+
+    #[derive(Clone, Debug, PartialEq, DeriveEntityModel)]
+    #[sea_orm(table_name = "conversations")]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub id: Uuid,
+        pub tenant: String,
+        pub principal: String,
+        pub agent: String,
+        pub title: Option<String>,
+        pub created_at: i64,
+        /// The newest event sequence number; bumped under this row's lock.
+        pub event_seq: i64,
+    }
+
+    #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]
+    pub enum Relation {}
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
+pub mod message {
+    use sea_orm::entity::prelude::*;
+
+    #[derive(Clone, Debug, PartialEq, DeriveEntityModel)]
+    #[sea_orm(table_name = "messages")]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub id: Uuid,
+        pub conversation_id: Uuid,
+        pub tenant: String,
+        pub role: String,
+        pub run_id: Option<Uuid>,
+        pub client_message_id: Option<String>,
+        pub created_at: i64,
+    }
+
+    #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]
+    pub enum Relation {}
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
+pub mod part {
+    use sea_orm::entity::prelude::*;
+
+    #[derive(Clone, Debug, PartialEq, DeriveEntityModel)]
+    #[sea_orm(table_name = "parts")]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub id: Uuid,
+        pub message_id: Uuid,
+        pub conversation_id: Uuid,
+        pub tenant: String,
+        pub idx: i32,
+        pub kind: String,
+        pub state: String,
+        pub text: Option<String>,
+        pub data: Option<Json>,
+        pub created_at: i64,
+        pub updated_at: i64,
+    }
+
+    #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]
+    pub enum Relation {}
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
+pub mod run {
+    use sea_orm::entity::prelude::*;
+
+    #[derive(Clone, Debug, PartialEq, DeriveEntityModel)]
+    #[sea_orm(table_name = "runs")]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub id: Uuid,
+        pub conversation_id: Uuid,
+        pub tenant: String,
+        pub principal: String,
+        pub agent: String,
+        pub trigger_message_id: Uuid,
+        pub status: String,
+        pub end_cause: Option<String>,
+        pub error: Option<Json>,
+        pub cancel_requested: bool,
+        pub attempt: i32,
+        pub max_attempts: i32,
+        pub next_attempt_at: Option<i64>,
+        pub steps: i32,
+        pub input_tokens: i64,
+        pub output_tokens: i64,
+        #[sea_orm(column_type = "Double")]
+        pub cost_usd: f64,
+        pub created_at: i64,
+        pub started_at: Option<i64>,
+        pub ended_at: Option<i64>,
+        pub lease_owner: Option<String>,
+        pub lease_epoch: i64,
+        pub lease_expires_at: Option<i64>,
+        pub recoveries: i32,
+    }
+
+    #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]
+    pub enum Relation {}
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
+pub mod event {
+    use sea_orm::entity::prelude::*;
+
+    #[derive(Clone, Debug, PartialEq, DeriveEntityModel)]
+    #[sea_orm(table_name = "events")]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub conversation_id: Uuid,
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub seq: i64,
+        pub tenant: String,
+        pub run_id: Option<Uuid>,
+        pub kind: String,
+        pub payload: Json,
+        pub created_at: i64,
+    }
+
+    #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]
+    pub enum Relation {}
+
+    impl ActiveModelBehavior for ActiveModel {}
+}

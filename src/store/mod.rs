@@ -1,0 +1,226 @@
+//! Persistence: the connection, write transactions that append events, and
+//! the reads the API and the runtime share. Backend differences live here.
+
+pub mod commands;
+pub mod entities;
+pub mod reads;
+
+use std::time::Duration;
+
+use sea_orm::sea_query::{Expr, ExprTrait};
+use sea_orm::sqlx::sqlite::{SqliteJournalMode, SqliteSynchronous};
+use sea_orm::{
+    AccessMode, ActiveValue::Set, ColumnTrait, ConnectOptions, Database,
+    DatabaseBackend, DatabaseConnection, DatabaseTransaction, DbErr, EntityTrait, IsolationLevel,
+    QueryFilter, QuerySelect, SqliteTransactionMode, TransactionOptions, TransactionTrait,
+};
+use tether_migrations::{Migrator, MigratorTrait};
+use uuid::Uuid;
+
+use crate::bus::Bus;
+use crate::domain::cursor::Cursor;
+use crate::domain::event::{Event, NewEvent};
+use crate::domain::time::now_millis;
+use entities::{conversation, event};
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("database error: {0}")]
+    Database(#[from] DbErr),
+    #[error("not found")]
+    NotFound,
+    #[error("{0}")]
+    Conflict(String),
+    /// A stored value this build cannot read: refuse rather than guess.
+    #[error("corrupt stored data: {0}")]
+    Corrupt(String),
+}
+
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// The database and the live bus that commits are announced on.
+#[derive(Clone)]
+pub struct Store {
+    db: DatabaseConnection,
+    bus: Bus,
+}
+
+impl Store {
+    /// Connects with settings fit for concurrent use: on SQLite, WAL, a busy
+    /// timeout, the file created if missing, and a pool larger than one.
+    pub async fn connect(url: &str, bus: Bus) -> Result<Store> {
+        let mut options = ConnectOptions::new(url.to_owned());
+        options
+            .sqlx_logging(false)
+            .acquire_timeout(Duration::from_secs(30));
+        if url.starts_with("sqlite:") {
+            options.max_connections(8).min_connections(1);
+            options.map_sqlx_sqlite_opts(|o| {
+                o.journal_mode(SqliteJournalMode::Wal)
+                    .synchronous(SqliteSynchronous::Normal)
+                    .busy_timeout(Duration::from_secs(10))
+                    .create_if_missing(true)
+                    .foreign_keys(true)
+            });
+        } else {
+            options.max_connections(16).min_connections(1);
+        }
+        let db = Database::connect(options).await?;
+        Ok(Store { db, bus })
+    }
+
+    pub async fn migrate(&self) -> Result<()> {
+        Migrator::up(&self.db, None).await?;
+        Ok(())
+    }
+
+    pub fn db(&self) -> &DatabaseConnection {
+        &self.db
+    }
+
+    pub fn bus(&self) -> &Bus {
+        &self.bus
+    }
+
+    pub fn backend(&self) -> DatabaseBackend {
+        self.db.get_database_backend()
+    }
+
+    pub async fn ping(&self) -> Result<()> {
+        self.db.ping().await?;
+        Ok(())
+    }
+
+    /// Begins a write transaction. On SQLite it is `BEGIN IMMEDIATE`, so two
+    /// writers never deadlock upgrading a read lock.
+    pub async fn begin_write(&self) -> Result<WriteTx> {
+        let tx = self
+            .db
+            .begin_with_options(TransactionOptions {
+                sqlite_transaction_mode: Some(SqliteTransactionMode::Immediate),
+                ..Default::default()
+            })
+            .await?;
+        Ok(WriteTx {
+            tx,
+            events: Vec::new(),
+        })
+    }
+
+    /// Begins a read-only transaction whose reads all see one snapshot.
+    pub async fn begin_snapshot(&self) -> Result<DatabaseTransaction> {
+        let options = match self.backend() {
+            DatabaseBackend::Postgres => TransactionOptions {
+                isolation_level: Some(IsolationLevel::RepeatableRead),
+                access_mode: Some(AccessMode::ReadOnly),
+                ..Default::default()
+            },
+            // A deferred SQLite transaction in WAL mode reads one snapshot
+            // from its first statement on.
+            _ => TransactionOptions::default(),
+        };
+        Ok(self.db.begin_with_options(options).await?)
+    }
+
+    /// Commits, then announces the transaction's events on the bus. This is
+    /// the one place persisted events are fanned out.
+    pub async fn commit(&self, write: WriteTx) -> Result<Vec<Event>> {
+        write.tx.commit().await?;
+        self.bus.publish(&write.events);
+        Ok(write.events)
+    }
+}
+
+/// A write transaction that collects the events appended in it, to publish
+/// once it has committed. Dropping it rolls back and publishes nothing.
+pub struct WriteTx {
+    tx: DatabaseTransaction,
+    events: Vec<Event>,
+}
+
+impl std::ops::Deref for WriteTx {
+    type Target = DatabaseTransaction;
+    fn deref(&self) -> &DatabaseTransaction {
+        &self.tx
+    }
+}
+
+impl WriteTx {
+    /// Locks a conversation of `tenant` for the rest of the transaction, so
+    /// that its writers serialize and its event sequence follows commit order.
+    pub async fn lock_conversation(&self, id: Uuid, tenant: &str) -> Result<conversation::Model> {
+        conversation::Entity::find_by_id(id)
+            .filter(conversation::Column::Tenant.eq(tenant))
+            .lock_exclusive()
+            .one(&self.tx)
+            .await?
+            .ok_or(Error::NotFound)
+    }
+
+    /// Appends events to a conversation's log in this transaction. Sequence
+    /// numbers come from the conversation row, whose lock is held until
+    /// commit: a later number is always a later commit.
+    pub async fn append(
+        &mut self,
+        conversation: &conversation::Model,
+        new_events: Vec<NewEvent>,
+    ) -> Result<()> {
+        if new_events.is_empty() {
+            return Ok(());
+        }
+        let count = new_events.len() as i64;
+        let updated = conversation::Entity::update_many()
+            .col_expr(
+                conversation::Column::EventSeq,
+                Expr::col(conversation::Column::EventSeq).add(count),
+            )
+            .filter(conversation::Column::Id.eq(conversation.id))
+            .exec_with_returning(&self.tx)
+            .await?;
+        let last = updated.first().ok_or(Error::NotFound)?.event_seq;
+        let at = now_millis();
+        let mut rows = Vec::with_capacity(new_events.len());
+        for (offset, new) in new_events.into_iter().enumerate() {
+            let seq = last - count + 1 + offset as i64;
+            let payload = serde_json::to_value(&new.body)
+                .map_err(|e| Error::Corrupt(format!("event body: {e}")))?;
+            rows.push(event::ActiveModel {
+                conversation_id: Set(conversation.id),
+                seq: Set(seq),
+                tenant: Set(conversation.tenant.clone()),
+                run_id: Set(new.run_id),
+                kind: Set(new.kind.as_str().to_owned()),
+                payload: Set(payload),
+                created_at: Set(at),
+            });
+            self.events.push(Event {
+                conversation_id: conversation.id,
+                cursor: Cursor(seq),
+                kind: new.kind,
+                run_id: new.run_id,
+                at,
+                body: new.body,
+            });
+        }
+        event::Entity::insert_many(rows).exec(&self.tx).await?;
+        Ok(())
+    }
+}
+
+/// Whether a database error is a unique-constraint violation.
+pub fn is_unique_violation(err: &DbErr) -> bool {
+    matches!(
+        err.sql_err(),
+        Some(sea_orm::SqlErr::UniqueConstraintViolation(_))
+    )
+}
+
+/// Rows are read back only through these helpers, which fail closed.
+pub(crate) fn parse_stored<T: std::str::FromStr>(value: &str, what: &str) -> Result<T>
+where
+    T::Err: std::fmt::Display,
+{
+    value
+        .parse()
+        .map_err(|e: T::Err| Error::Corrupt(format!("{what}: {e}")))
+}

@@ -1,0 +1,189 @@
+//! Reads shared by the API and the runtime. Each takes any connection, so the
+//! API can run several in one snapshot. Every read is scoped to a tenant.
+
+use std::collections::HashMap;
+
+use sea_orm::{
+    ColumnTrait, ConnectionTrait, EntityTrait, Order, QueryFilter, QueryOrder, QuerySelect,
+};
+use uuid::Uuid;
+
+use super::entities::{conversation, event, message, part, run};
+use super::{Error, Result, parse_stored};
+use crate::domain::cursor::Cursor;
+use crate::domain::event::{Event, EventKind};
+use crate::domain::run::RunStatus;
+
+pub async fn conversation<C: ConnectionTrait>(
+    db: &C,
+    tenant: &str,
+    id: Uuid,
+) -> Result<Option<conversation::Model>> {
+    Ok(conversation::Entity::find_by_id(id)
+        .filter(conversation::Column::Tenant.eq(tenant))
+        .one(db)
+        .await?)
+}
+
+/// Newest first. Returns the page and whether more follow.
+pub async fn conversations<C: ConnectionTrait>(
+    db: &C,
+    tenant: &str,
+    first: u64,
+    after: Option<Uuid>,
+) -> Result<(Vec<conversation::Model>, bool)> {
+    let mut query = conversation::Entity::find()
+        .filter(conversation::Column::Tenant.eq(tenant))
+        .order_by(conversation::Column::Id, Order::Desc)
+        .limit(first + 1);
+    if let Some(after) = after {
+        query = query.filter(conversation::Column::Id.lt(after));
+    }
+    let mut rows = query.all(db).await?;
+    let has_more = rows.len() as u64 > first;
+    rows.truncate(first as usize);
+    Ok((rows, has_more))
+}
+
+/// The last `last` messages before `before` (when given), oldest first.
+pub async fn messages<C: ConnectionTrait>(
+    db: &C,
+    tenant: &str,
+    conversation_id: Uuid,
+    last: u64,
+    before: Option<Uuid>,
+) -> Result<Vec<message::Model>> {
+    let mut query = message::Entity::find()
+        .filter(message::Column::Tenant.eq(tenant))
+        .filter(message::Column::ConversationId.eq(conversation_id))
+        .order_by(message::Column::Id, Order::Desc)
+        .limit(last);
+    if let Some(before) = before {
+        query = query.filter(message::Column::Id.lt(before));
+    }
+    let mut rows = query.all(db).await?;
+    rows.reverse();
+    Ok(rows)
+}
+
+pub async fn message<C: ConnectionTrait>(
+    db: &C,
+    tenant: &str,
+    id: Uuid,
+) -> Result<Option<message::Model>> {
+    Ok(message::Entity::find_by_id(id)
+        .filter(message::Column::Tenant.eq(tenant))
+        .one(db)
+        .await?)
+}
+
+/// The parts of several messages in one query, each message's in order.
+pub async fn parts_of<C: ConnectionTrait>(
+    db: &C,
+    tenant: &str,
+    message_ids: &[Uuid],
+) -> Result<HashMap<Uuid, Vec<part::Model>>> {
+    let mut grouped: HashMap<Uuid, Vec<part::Model>> = HashMap::new();
+    if message_ids.is_empty() {
+        return Ok(grouped);
+    }
+    let rows = part::Entity::find()
+        .filter(part::Column::Tenant.eq(tenant))
+        .filter(part::Column::MessageId.is_in(message_ids.iter().copied()))
+        .order_by(part::Column::MessageId, Order::Asc)
+        .order_by(part::Column::Idx, Order::Asc)
+        .all(db)
+        .await?;
+    for row in rows {
+        grouped.entry(row.message_id).or_default().push(row);
+    }
+    Ok(grouped)
+}
+
+pub async fn part<C: ConnectionTrait>(
+    db: &C,
+    tenant: &str,
+    id: Uuid,
+) -> Result<Option<part::Model>> {
+    Ok(part::Entity::find_by_id(id)
+        .filter(part::Column::Tenant.eq(tenant))
+        .one(db)
+        .await?)
+}
+
+pub async fn run<C: ConnectionTrait>(db: &C, tenant: &str, id: Uuid) -> Result<Option<run::Model>> {
+    Ok(run::Entity::find_by_id(id)
+        .filter(run::Column::Tenant.eq(tenant))
+        .one(db)
+        .await?)
+}
+
+/// A conversation's runs, oldest first.
+pub async fn runs_of<C: ConnectionTrait>(
+    db: &C,
+    tenant: &str,
+    conversation_id: Uuid,
+) -> Result<Vec<run::Model>> {
+    Ok(run::Entity::find()
+        .filter(run::Column::Tenant.eq(tenant))
+        .filter(run::Column::ConversationId.eq(conversation_id))
+        .order_by(run::Column::Id, Order::Asc)
+        .all(db)
+        .await?)
+}
+
+/// A conversation's runs that have not ended, oldest first.
+pub async fn unended_runs<C: ConnectionTrait>(
+    db: &C,
+    tenant: &str,
+    conversation_id: Uuid,
+) -> Result<Vec<run::Model>> {
+    Ok(run::Entity::find()
+        .filter(run::Column::Tenant.eq(tenant))
+        .filter(run::Column::ConversationId.eq(conversation_id))
+        .filter(run::Column::Status.is_in(RunStatus::not_ended().map(RunStatus::as_str)))
+        .order_by(run::Column::Id, Order::Asc)
+        .all(db)
+        .await?)
+}
+
+/// Persisted events after `after`, oldest first, at most `limit`.
+pub async fn events_after<C: ConnectionTrait>(
+    db: &C,
+    tenant: &str,
+    conversation_id: Uuid,
+    after: Cursor,
+    limit: u64,
+) -> Result<Vec<Event>> {
+    event::Entity::find()
+        .filter(event::Column::Tenant.eq(tenant))
+        .filter(event::Column::ConversationId.eq(conversation_id))
+        .filter(event::Column::Seq.gt(after.0))
+        .order_by(event::Column::Seq, Order::Asc)
+        .limit(limit)
+        .all(db)
+        .await?
+        .into_iter()
+        .map(event_from_row)
+        .collect()
+}
+
+fn event_from_row(row: event::Model) -> Result<Event> {
+    let kind = EventKind::parse(&row.kind)
+        .ok_or_else(|| Error::Corrupt(format!("event kind {:?}", row.kind)))?;
+    let body = serde_json::from_value(row.payload)
+        .map_err(|e| Error::Corrupt(format!("event payload: {e}")))?;
+    Ok(Event {
+        conversation_id: row.conversation_id,
+        cursor: Cursor(row.seq),
+        kind,
+        run_id: row.run_id,
+        at: row.created_at,
+        body,
+    })
+}
+
+/// A run's status, read back with the fail-closed parser.
+pub fn run_status(row: &run::Model) -> Result<RunStatus> {
+    parse_stored(&row.status, "run status")
+}
