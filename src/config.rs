@@ -138,7 +138,7 @@ impl Default for ApiConfig {
             max_message_bytes: 64 * 1024,
             max_title_chars: 200,
             max_request_bytes: 256 * 1024,
-            max_query_depth: 12,
+            max_query_depth: 16,
             max_query_complexity: 1_000,
             ws_keepalive_secs: 15,
             ws_init_timeout_secs: 10,
@@ -435,7 +435,10 @@ impl FileConfig {
             if !tool_names.insert(tool.name.clone()) {
                 return Err(invalid(
                     format!("{key}.name"),
-                    format!("tool {:?} is defined twice or shadows a built-in", tool.name),
+                    format!(
+                        "tool {:?} is defined twice or shadows a built-in",
+                        tool.name
+                    ),
                 ));
             }
             if !tool.input_schema.is_object() {
@@ -497,18 +500,18 @@ impl FileConfig {
                     )?;
                 }
                 ConnectionMode::Token => {
-                    conn.token = required_env(
-                        &format!("{key}.token_env"),
-                        conn.token_env.as_deref(),
-                        env,
-                    )?;
+                    conn.token =
+                        required_env(&format!("{key}.token_env"), conn.token_env.as_deref(), env)?;
                 }
             }
             at_least(&format!("{key}.consent_ttl_secs"), conn.consent_ttl_secs, 1)?;
         }
 
         if self.agents.is_empty() {
-            return Err(invalid("agents", "at least one [[agents]] entry is required"));
+            return Err(invalid(
+                "agents",
+                "at least one [[agents]] entry is required",
+            ));
         }
         let mut agent_names = HashSet::new();
         for (i, agent) in self.agents.iter_mut().enumerate() {
@@ -526,12 +529,13 @@ impl FileConfig {
                 ProviderKind::Scripted => None,
             };
             if conventional.is_some() && agent.model.is_none() {
-                return Err(invalid(format!("{key}.model"), "is required for this provider"));
+                return Err(invalid(
+                    format!("{key}.model"),
+                    "is required for this provider",
+                ));
             }
             agent.api_key = match (&agent.api_key_env, conventional) {
-                (Some(var), _) => {
-                    required_env(&format!("{key}.api_key_env"), Some(var), env)?
-                }
+                (Some(var), _) => required_env(&format!("{key}.api_key_env"), Some(var), env)?,
                 (None, Some(var)) => env(var),
                 (None, None) => None,
             };
@@ -563,9 +567,21 @@ impl FileConfig {
                 return Err(invalid(format!("{key}.stop.content_match"), e.to_string()));
             }
             at_least(&format!("{key}.max_tokens"), agent.max_tokens, 1)?;
-            at_least(&format!("{key}.limits.max_steps"), agent.limits.max_steps, 1)?;
-            at_least(&format!("{key}.limits.timeout_secs"), agent.limits.timeout_secs, 1)?;
-            at_least(&format!("{key}.retry.max_attempts"), agent.retry.max_attempts, 1)?;
+            at_least(
+                &format!("{key}.limits.max_steps"),
+                agent.limits.max_steps,
+                1,
+            )?;
+            at_least(
+                &format!("{key}.limits.timeout_secs"),
+                agent.limits.timeout_secs,
+                1,
+            )?;
+            at_least(
+                &format!("{key}.retry.max_attempts"),
+                agent.retry.max_attempts,
+                1,
+            )?;
             if agent.retry.max_delay_ms < agent.retry.initial_delay_ms {
                 return Err(invalid(
                     format!("{key}.retry.max_delay_ms"),
@@ -577,7 +593,10 @@ impl FileConfig {
             }
             if let Some(price) = &agent.price {
                 non_negative(&format!("{key}.price.input_per_mtok"), price.input_per_mtok)?;
-                non_negative(&format!("{key}.price.output_per_mtok"), price.output_per_mtok)?;
+                non_negative(
+                    &format!("{key}.price.output_per_mtok"),
+                    price.output_per_mtok,
+                )?;
             }
         }
         if let Some(name) = &self.default_agent
@@ -587,7 +606,10 @@ impl FileConfig {
         }
         for (i, tenant) in self.policy.tenants.iter().enumerate() {
             if tenant.tenant.is_empty() {
-                return Err(invalid(format!("policy.tenants[{i}].tenant"), "must not be empty"));
+                return Err(invalid(
+                    format!("policy.tenants[{i}].tenant"),
+                    "must not be empty",
+                ));
             }
         }
         Ok(())
@@ -610,7 +632,11 @@ fn non_negative(key: &str, value: f64) -> Result<(), ConfigError> {
     }
 }
 
-fn at_least<T: PartialOrd + std::fmt::Display>(key: &str, value: T, min: T) -> Result<(), ConfigError> {
+fn at_least<T: PartialOrd + std::fmt::Display>(
+    key: &str,
+    value: T,
+    min: T,
+) -> Result<(), ConfigError> {
     if value >= min {
         Ok(())
     } else {
@@ -645,7 +671,10 @@ fn required_env(
     };
     match env(var) {
         Some(value) if !value.is_empty() => Ok(Some(value)),
-        _ => Err(invalid(key, format!("environment variable {var} is not set"))),
+        _ => Err(invalid(
+            key,
+            format!("environment variable {var} is not set"),
+        )),
     }
 }
 
@@ -665,7 +694,8 @@ impl Config {
         };
         file.validate(env)?;
 
-        let database_url = env("TETHER_DATABASE_URL").unwrap_or_else(|| DEFAULT_DATABASE_URL.to_owned());
+        let database_url =
+            env("TETHER_DATABASE_URL").unwrap_or_else(|| DEFAULT_DATABASE_URL.to_owned());
         if !database_url.starts_with("sqlite:") && !database_url.starts_with("postgres") {
             return Err(invalid(
                 "TETHER_DATABASE_URL",
@@ -673,9 +703,12 @@ impl Config {
             ));
         }
         let listen_text = env("TETHER_LISTEN").unwrap_or_else(|| DEFAULT_LISTEN.to_owned());
-        let listen: SocketAddr = listen_text
-            .parse()
-            .map_err(|_| invalid("TETHER_LISTEN", format!("{listen_text:?} is not an address:port")))?;
+        let listen: SocketAddr = listen_text.parse().map_err(|_| {
+            invalid(
+                "TETHER_LISTEN",
+                format!("{listen_text:?} is not an address:port"),
+            )
+        })?;
         let jwt_secret = env("TETHER_JWT_SECRET").filter(|s| !s.is_empty());
         if jwt_secret.is_none() && !listen.ip().is_loopback() {
             return Err(invalid(
@@ -716,7 +749,12 @@ fn decode_key(text: &str) -> Result<[u8; 32], ConfigError> {
         .decode(text.trim())
         .ok()
         .and_then(|bytes| <[u8; 32]>::try_from(bytes).ok())
-        .ok_or_else(|| invalid("TETHER_ENCRYPTION_KEY", "must be base64 of exactly 32 bytes"))
+        .ok_or_else(|| {
+            invalid(
+                "TETHER_ENCRYPTION_KEY",
+                "must be base64 of exactly 32 bytes",
+            )
+        })
 }
 
 #[cfg(test)]
@@ -740,23 +778,39 @@ mod tests {
     }
 
     fn message(result: Result<Config, ConfigError>) -> String {
-        result.expect_err("configuration should be refused").to_string()
+        result
+            .expect_err("configuration should be refused")
+            .to_string()
     }
 
     #[test]
     fn the_sample_file_in_the_repository_is_valid() {
         let text = include_str!("../tether.toml");
         let config = load_with(text, &[]).expect("tether.toml must start as it is");
-        assert!(config.file.agent(config.file.default_agent_name()).is_some());
+        assert!(
+            config
+                .file
+                .agent(config.file.default_agent_name())
+                .is_some()
+        );
     }
 
     #[test]
     fn no_file_means_the_demo_agent_on_the_scripted_model() {
-        let config = Config::load(&|_| None).unwrap();
-        let agent = config.file.agent("demo").unwrap();
+        let mut file = FileConfig::builtin();
+        file.validate(&|_| None).unwrap();
+        assert_eq!(file.default_agent_name(), "demo");
+        let agent = file.agent("demo").unwrap();
         assert_eq!(agent.provider, ProviderKind::Scripted);
+        assert_eq!(agent.tools, BUILTIN_TOOLS);
+    }
+
+    #[test]
+    fn defaults_for_the_database_and_the_address() {
+        let config = load_with("[[agents]]\nname = \"a\"\nprovider = \"scripted\"\n", &[]).unwrap();
         assert_eq!(config.database_url, DEFAULT_DATABASE_URL);
         assert_eq!(config.listen.to_string(), DEFAULT_LISTEN);
+        assert!(config.jwt_secret.is_none());
     }
 
     #[test]
@@ -800,7 +854,10 @@ mod tests {
     fn an_explicit_env_key_must_name_a_set_variable() {
         let toml = "[[agents]]\nname = \"a\"\nprovider = \"anthropic\"\nmodel = \"m\"\napi_key_env = \"MY_KEY\"\n";
         let err = message(load_with(toml, &[]));
-        assert!(err.contains("agents[0].api_key_env") && err.contains("MY_KEY"), "{err}");
+        assert!(
+            err.contains("agents[0].api_key_env") && err.contains("MY_KEY"),
+            "{err}"
+        );
         let config = load_with(toml, &[("MY_KEY", "sk-1")]).unwrap();
         assert_eq!(config.file.agents[0].api_key.as_deref(), Some("sk-1"));
     }

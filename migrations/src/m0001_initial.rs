@@ -255,11 +255,7 @@ impl MigrationTrait for Migration {
                     .col(string(Events::Kind))
                     .col(json(Events::Payload))
                     .col(big_integer(Events::CreatedAt))
-                    .primary_key(
-                        Index::create()
-                            .col(Events::ConversationId)
-                            .col(Events::Seq),
-                    )
+                    .primary_key(Index::create().col(Events::ConversationId).col(Events::Seq))
                     .foreign_key(
                         ForeignKey::create()
                             .from(Events::Table, Events::ConversationId)

@@ -105,9 +105,13 @@ mod tests {
         let auth = Authenticator::new("s3cret").unwrap();
         let token = auth.mint("acme", "ada", Duration::from_secs(60));
         let viewer = auth.verify(&token).unwrap();
-        assert_eq!((viewer.tenant.as_str(), viewer.principal.as_str()), ("acme", "ada"));
         assert_eq!(
-            auth.verify_header(Some(&format!("bearer {token}"))).unwrap(),
+            (viewer.tenant.as_str(), viewer.principal.as_str()),
+            ("acme", "ada")
+        );
+        assert_eq!(
+            auth.verify_header(Some(&format!("bearer {token}")))
+                .unwrap(),
             viewer
         );
     }
@@ -115,7 +119,10 @@ mod tests {
     #[test]
     fn forged_expired_and_incomplete_tokens_are_refused() {
         let auth = Authenticator::new("s3cret").unwrap();
-        let other = Authenticator::new("other").unwrap().mint("acme", "ada", Duration::from_secs(60));
+        let other =
+            Authenticator::new("other")
+                .unwrap()
+                .mint("acme", "ada", Duration::from_secs(60));
         assert_eq!(auth.verify(&other), Err(AuthError::Invalid));
 
         let exp = now_millis() / 1000 + 60;
@@ -142,6 +149,9 @@ mod tests {
         .unwrap();
         assert_eq!(auth.verify(&no_tenant), Err(AuthError::Invalid));
         assert_eq!(auth.verify_header(None), Err(AuthError::Missing));
-        assert_eq!(auth.verify_header(Some("Basic abc")), Err(AuthError::Invalid));
+        assert_eq!(
+            auth.verify_header(Some("Basic abc")),
+            Err(AuthError::Invalid)
+        );
     }
 }

@@ -5,9 +5,9 @@ use std::sync::Arc;
 use async_graphql::extensions::{
     Extension, ExtensionContext, ExtensionFactory, NextRequest, NextSubscribe,
 };
+use async_graphql::{ErrorExtensionValues, Response, ServerError};
 use futures_util::StreamExt;
 use futures_util::stream::BoxStream;
-use async_graphql::{ErrorExtensionValues, Response, ServerError};
 
 use crate::store;
 

@@ -36,7 +36,10 @@ transport_event!(
         error: RunError,
     }
 );
-transport_event!(MessageEvent { message_id: ID, role: MessageRole });
+transport_event!(MessageEvent {
+    message_id: ID,
+    role: MessageRole
+});
 transport_event!(PartEvent {
     message_id: ID,
     part_id: ID,
@@ -52,11 +55,18 @@ transport_event!(
         text: String,
     }
 );
-transport_event!(ToolEvent { tool_call_id: ID, tool_name: String });
+transport_event!(ToolEvent {
+    tool_call_id: ID,
+    tool_name: String
+});
 transport_event!(InteractionEvent { interaction_id: ID });
 transport_event!(UsageUpdated { usage: Usage });
-transport_event!(ContextCompacted { messages_compacted: i64 });
+transport_event!(ContextCompacted {
+    messages_compacted: i64
+});
 
+// The `ty` values repeat by nature; clippy reads them as duplicate attributes.
+#[allow(clippy::duplicated_attributes)]
 #[derive(Interface)]
 #[graphql(
     field(name = "cursor", ty = "&String"),

@@ -130,7 +130,10 @@ async fn read_limited(body: Body, limit: usize) -> Result<Bytes, Response> {
             StatusCode::PAYLOAD_TOO_LARGE,
             &format!("the request body is larger than {limit} bytes"),
         )),
-        Err(_) => Err(refusal(StatusCode::BAD_REQUEST, "the request body could not be read")),
+        Err(_) => Err(refusal(
+            StatusCode::BAD_REQUEST,
+            "the request body could not be read",
+        )),
     }
 }
 

@@ -60,13 +60,19 @@ impl Mutation {
                 .clone(),
             None => config.default_agent_name().to_owned(),
         };
-        let title = input.title.map(|t| t.trim().to_owned()).filter(|t| !t.is_empty());
+        let title = input
+            .title
+            .map(|t| t.trim().to_owned())
+            .filter(|t| !t.is_empty());
         if let Some(title) = &title
             && title.chars().count() > config.api.max_title_chars
         {
             return Err(ApiError::bad_key(
                 "title",
-                format!("title is longer than {} characters", config.api.max_title_chars),
+                format!(
+                    "title is longer than {} characters",
+                    config.api.max_title_chars
+                ),
             ));
         }
         let row = commands::create_conversation(
@@ -105,13 +111,10 @@ impl Mutation {
         }
         let conversation_id = parse_id(&input.conversation_id).ok_or(ApiError::NotFound)?;
         let actor = actor(ctx)?;
-        let conversation = crate::store::reads::conversation(
-            services.store.db(),
-            &actor.tenant,
-            conversation_id,
-        )
-        .await?
-        .ok_or(ApiError::NotFound)?;
+        let conversation =
+            crate::store::reads::conversation(services.store.db(), &actor.tenant, conversation_id)
+                .await?
+                .ok_or(ApiError::NotFound)?;
         let max_attempts = services
             .config
             .agent(&conversation.agent)

@@ -68,11 +68,15 @@ impl Query {
         after: Option<String>,
     ) -> ApiResult<ConversationConnection> {
         if !(0..=100).contains(&first) {
-            return Err(ApiError::bad_key("first", "first must be between 0 and 100"));
+            return Err(ApiError::bad_key(
+                "first",
+                "first must be between 0 and 100",
+            ));
         }
         let after = match after {
             Some(text) => Some(
-                parse_id(&ID(text)).ok_or_else(|| ApiError::bad_key("after", "malformed cursor"))?,
+                parse_id(&ID(text))
+                    .ok_or_else(|| ApiError::bad_key("after", "malformed cursor"))?,
             ),
             None => None,
         };
@@ -123,7 +127,10 @@ impl Query {
         #[graphql(default = 500)] first: i32,
     ) -> ApiResult<EventPage> {
         if !(0..=1000).contains(&first) {
-            return Err(ApiError::bad_key("first", "first must be between 0 and 1000"));
+            return Err(ApiError::bad_key(
+                "first",
+                "first must be between 0 and 1000",
+            ));
         }
         let after = after.as_deref().map(parse_cursor).transpose()?;
         let conversation_id = parse_id(&conversation_id).ok_or(ApiError::NotFound)?;

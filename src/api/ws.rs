@@ -27,19 +27,23 @@ pub async fn serve(mut socket: WebSocket, protocol: WebSocketProtocols, app: App
     let (inbound, inbound_rx) = mpsc::channel::<String>(INBOUND_BUFFER);
     let (auth_tx, mut auth_rx) = oneshot::channel::<Option<Viewer>>();
     let auth = app.auth.clone();
-    let mut engine = GraphqlSocket::new(app.schema.clone(), ReceiverStream::new(inbound_rx), protocol)
-        .on_connection_init(move |payload| async move {
-            let viewer = bearer_in(&payload).and_then(|value| auth.verify_header(Some(value)).ok());
-            let _ = auth_tx.send(viewer.clone());
-            match viewer {
-                Some(viewer) => {
-                    let mut data = Data::default();
-                    data.insert(viewer);
-                    Ok(data)
-                }
-                None => Err(async_graphql::Error::new("forbidden")),
+    let mut engine = GraphqlSocket::new(
+        app.schema.clone(),
+        ReceiverStream::new(inbound_rx),
+        protocol,
+    )
+    .on_connection_init(move |payload| async move {
+        let viewer = bearer_in(&payload).and_then(|value| auth.verify_header(Some(value)).ok());
+        let _ = auth_tx.send(viewer.clone());
+        match viewer {
+            Some(viewer) => {
+                let mut data = Data::default();
+                data.insert(viewer);
+                Ok(data)
             }
-        });
+            None => Err(async_graphql::Error::new("forbidden")),
+        }
+    });
 
     let init_deadline = sleep(Duration::from_secs(app.limits.ws_init_timeout_secs));
     tokio::pin!(init_deadline);

@@ -42,7 +42,13 @@ mod tests {
 
     #[test]
     fn refuses_anything_but_fixed_width_digits() {
-        for bad in ["", "12", "-000000000000001", "00000000000000a1", "00000000000000001"] {
+        for bad in [
+            "",
+            "12",
+            "-000000000000001",
+            "00000000000000a1",
+            "00000000000000001",
+        ] {
             assert_eq!(Cursor::parse(bad), Err(MalformedCursor), "{bad:?}");
         }
         assert_eq!(Cursor::START.to_string(), "0000000000000000");

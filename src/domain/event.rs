@@ -82,7 +82,11 @@ impl EventKind {
 
 /// The small fields an event carries besides its identity.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(tag = "shape", rename_all = "camelCase", rename_all_fields = "camelCase")]
+#[serde(
+    tag = "shape",
+    rename_all = "camelCase",
+    rename_all_fields = "camelCase"
+)]
 pub enum EventBody {
     Run {
         status: RunStatus,
@@ -181,7 +185,10 @@ mod tests {
 
     #[test]
     fn only_deltas_are_live_only() {
-        let live: Vec<_> = EventKind::ALL.iter().filter(|k| !k.is_persisted()).collect();
+        let live: Vec<_> = EventKind::ALL
+            .iter()
+            .filter(|k| !k.is_persisted())
+            .collect();
         assert_eq!(live, vec![&EventKind::PartDelta]);
     }
 

@@ -88,7 +88,14 @@ pub struct RunError {
 
 /// Tokens and cost summed over a run.
 #[derive(
-    Debug, Clone, Copy, PartialEq, Default, serde::Serialize, serde::Deserialize, async_graphql::SimpleObject,
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Default,
+    serde::Serialize,
+    serde::Deserialize,
+    async_graphql::SimpleObject,
 )]
 #[serde(rename_all = "camelCase")]
 pub struct Usage {

@@ -205,11 +205,7 @@ pub async fn cancel_run(store: &Store, actor: &Actor, run_id: Uuid) -> Result<ru
 }
 
 /// Ends a run that no worker holds, returning the events that report it.
-async fn end_run(
-    tx: &super::WriteTx,
-    row: run::Model,
-    cause: EndCause,
-) -> Result<Vec<NewEvent>> {
+async fn end_run(tx: &super::WriteTx, row: run::Model, cause: EndCause) -> Result<Vec<NewEvent>> {
     let from = reads::run_status(&row)?;
     let to = end_parked(from, cause).map_err(|e| Error::Conflict(e.to_string()))?;
     let run_id = row.id;

@@ -10,9 +10,9 @@ use std::time::Duration;
 use sea_orm::sea_query::{Expr, ExprTrait};
 use sea_orm::sqlx::sqlite::{SqliteJournalMode, SqliteSynchronous};
 use sea_orm::{
-    AccessMode, ActiveValue::Set, ColumnTrait, ConnectOptions, Database,
-    DatabaseBackend, DatabaseConnection, DatabaseTransaction, DbErr, EntityTrait, IsolationLevel,
-    QueryFilter, QuerySelect, SqliteTransactionMode, TransactionOptions, TransactionTrait,
+    AccessMode, ActiveValue::Set, ColumnTrait, ConnectOptions, Database, DatabaseBackend,
+    DatabaseConnection, DatabaseTransaction, DbErr, EntityTrait, IsolationLevel, QueryFilter,
+    QuerySelect, SqliteTransactionMode, TransactionOptions, TransactionTrait,
 };
 use tether_migrations::{Migrator, MigratorTrait};
 use uuid::Uuid;

@@ -1,0 +1,11 @@
+//! Integration tests: the real `tether` binary over real HTTP and WebSocket,
+//! on SQLite, or on PostgreSQL when `TETHER_TEST_DATABASE_URL` is set.
+
+mod support;
+
+mod auth;
+mod conversations;
+mod input_limits;
+mod schema_drift;
+mod startup;
+mod subscriptions;

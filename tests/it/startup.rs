@@ -1,0 +1,109 @@
+//! Start-up: configuration refusals name their key; the sample starts; the
+//! probes answer.
+
+use std::time::Duration;
+
+use crate::support::{Server, ServerOptions, TestDb, tether_command};
+
+async fn refused_with(config: &str) -> String {
+    let db = TestDb::new().await;
+    let dir = std::env::temp_dir();
+    let output = tokio::time::timeout(
+        Duration::from_secs(60),
+        tether_command(&db, config, &dir).arg("serve").output(),
+    )
+    .await
+    .expect("tether exits in time")
+    .unwrap();
+    assert!(!output.status.success(), "started with a bad configuration");
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+#[tokio::test]
+async fn a_bad_configuration_stops_start_up_naming_the_key() {
+    let stderr = refused_with("[runtime]\nlease_secs = 15\nheartbeat_sec = 5\n").await;
+    assert!(stderr.contains("heartbeat_sec"), "{stderr}");
+    let stderr = refused_with(
+        "[[agents]]\nname = \"a\"\nprovider = \"anthropic\"\nmodel = \"m\"\napi_key_env = \"TETHER_TEST_UNSET_KEY\"\n",
+    )
+    .await;
+    assert!(stderr.contains("agents[0].api_key_env"), "{stderr}");
+    assert!(stderr.contains("TETHER_TEST_UNSET_KEY"), "{stderr}");
+    let stderr = refused_with(
+        "[[agents]]\nname = \"a\"\nprovider = \"scripted\"\n[agents.retry]\nmax_attempts = -1\n",
+    )
+    .await;
+    assert!(stderr.contains("max_attempts"), "{stderr}");
+}
+
+#[tokio::test]
+async fn the_sample_configuration_serves_and_the_probes_answer() {
+    let sample =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tether.toml")).unwrap();
+    let server = Server::start_with(ServerOptions {
+        config: sample,
+        ..Default::default()
+    })
+    .await;
+    let response = server.get("/healthz").await;
+    assert_eq!(response.status().as_u16(), 200);
+    let response = server.get("/readyz").await;
+    assert_eq!(response.status().as_u16(), 200);
+    let response = server.get("/graphiql").await;
+    assert_eq!(response.status().as_u16(), 200);
+    let page = response.text().await.unwrap();
+    assert!(page.contains("/graphql"), "GraphiQL points at the API");
+    let token = server.token("acme", "ada");
+    let data = server
+        .gql(&token, "{ agents { name } }", serde_json::json!({}))
+        .await;
+    assert_eq!(data["agents"][0]["name"], "demo");
+}
+
+#[tokio::test]
+async fn graphiql_introspection_fits_the_default_limits() {
+    // GraphiQL's own introspection query must pass the depth and
+    // complexity limits of the default configuration.
+    let sample =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tether.toml")).unwrap();
+    let server = Server::start_with(ServerOptions {
+        config: sample,
+        ..Default::default()
+    })
+    .await;
+    let token = server.token("acme", "ada");
+    let data = server
+        .gql(&token, INTROSPECTION, serde_json::json!({}))
+        .await;
+    assert!(data["__schema"]["types"].as_array().unwrap().len() > 20);
+}
+
+const INTROSPECTION: &str = r#"
+query IntrospectionQuery {
+  __schema {
+    queryType { name }
+    mutationType { name }
+    subscriptionType { name }
+    types { ...FullType }
+    directives { name description locations args { ...InputValue } }
+  }
+}
+fragment FullType on __Type {
+  kind name description
+  fields(includeDeprecated: true) {
+    name description
+    args { ...InputValue }
+    type { ...TypeRef }
+    isDeprecated deprecationReason
+  }
+  inputFields { ...InputValue }
+  interfaces { ...TypeRef }
+  enumValues(includeDeprecated: true) { name description isDeprecated deprecationReason }
+  possibleTypes { ...TypeRef }
+}
+fragment InputValue on __InputValue { name description type { ...TypeRef } defaultValue }
+fragment TypeRef on __Type {
+  kind name
+  ofType { kind name ofType { kind name ofType { kind name ofType { kind name ofType { kind name ofType { kind name ofType { kind name } } } } } } }
+}
+"#;

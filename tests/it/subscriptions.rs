@@ -1,0 +1,304 @@
+//! Subscriptions over WebSocket: live events, catch-up from a cursor while
+//! many writers commit, run streams that complete.
+
+use std::collections::HashSet;
+
+use serde_json::{Value, json};
+
+use crate::support::{Server, WsClient, assert_datetime};
+
+const CONVERSATION_EVENTS: &str = "subscription($c: ID!, $a: String) { conversationEvents(conversationId: $c, after: $a) { cursor type conversationId runId at ... on MessageEvent { messageId role } ... on RunEvent { status } } }";
+
+#[tokio::test]
+async fn a_subscriber_sees_the_message_and_its_queued_run() {
+    let server = Server::start().await;
+    let token = server.token("acme", "ada");
+    let conversation = server.create_conversation(&token).await;
+    let mut client = WsClient::connect(&server, &token).await;
+    // The reliable start: read lastCursor, subscribe after it.
+    let last_cursor = server
+        .gql(
+            &token,
+            "query($c: ID!) { conversation(id: $c) { lastCursor } }",
+            json!({ "c": conversation }),
+        )
+        .await["conversation"]["lastCursor"]
+        .clone();
+    client
+        .subscribe(
+            "1",
+            CONVERSATION_EVENTS,
+            json!({ "c": conversation, "a": last_cursor }),
+        )
+        .await;
+    let (message, run) = server.send(&token, &conversation, "hi").await;
+
+    let first = client.next_event("1").await["data"]["conversationEvents"].clone();
+    assert_eq!(first["type"], "message.created");
+    assert_eq!(first["messageId"], message.as_str());
+    assert_eq!(first["role"], "USER");
+    assert_eq!(first["conversationId"], conversation.as_str());
+    assert_eq!(first["runId"], run.as_str());
+    assert_datetime(&first["at"]);
+    let second = client.next_event("1").await["data"]["conversationEvents"].clone();
+    assert_eq!(second["type"], "run.queued");
+    assert_eq!(second["status"], "QUEUED");
+    assert_eq!(second["runId"], run.as_str());
+    assert!(first["cursor"].as_str() < second["cursor"].as_str());
+
+    // What the subscriber saw is what the log holds.
+    let events = server.all_events(&token, &conversation).await;
+    let cursors: Vec<_> = events.iter().map(|e| e["cursor"].clone()).collect();
+    assert_eq!(
+        cursors,
+        vec![first["cursor"].clone(), second["cursor"].clone()]
+    );
+}
+
+#[tokio::test]
+async fn the_legacy_graphql_ws_protocol_streams_too() {
+    let server = Server::start().await;
+    let token = server.token("acme", "ada");
+    let conversation = server.create_conversation(&token).await;
+    server.send(&token, &conversation, "before").await;
+    let mut client = WsClient::open(&server, "graphql-ws").await;
+    client
+        .init(json!({ "Authorization": format!("Bearer {token}") }))
+        .await;
+    assert_eq!(client.next_json().await.unwrap()["type"], "connection_ack");
+    client
+        .subscribe(
+            "1",
+            CONVERSATION_EVENTS,
+            json!({ "c": conversation, "a": "0000000000000000" }),
+        )
+        .await;
+    let first = client.next_event("1").await;
+    assert_eq!(
+        first["data"]["conversationEvents"]["type"],
+        "message.created"
+    );
+    let second = client.next_event("1").await;
+    assert_eq!(second["data"]["conversationEvents"]["type"], "run.queued");
+}
+
+/// Collects `count` events of subscription `id`, returning their cursors.
+async fn collect_cursors(client: &mut WsClient, id: &str, until: &str) -> Vec<String> {
+    let mut cursors = Vec::new();
+    loop {
+        let payload = client.next_event(id).await;
+        assert!(payload.get("errors").is_none(), "{payload}");
+        let cursor = payload["data"]["conversationEvents"]["cursor"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        let done = cursor.as_str() >= until;
+        cursors.push(cursor);
+        if done {
+            return cursors;
+        }
+    }
+}
+
+#[tokio::test]
+async fn catch_up_delivers_every_event_after_the_cursor_once_in_order_under_concurrent_writers() {
+    const WRITERS: usize = 8;
+    const SENDS_PER_WRITER: usize = 63; // 8 × 63 × 2 = 1,008 events
+    let server = Server::start().await;
+    let token = server.token("acme", "ada");
+    let conversation = server.create_conversation(&token).await;
+    for i in 0..5 {
+        server
+            .send(&token, &conversation, &format!("warm-up {i}"))
+            .await;
+    }
+    let resume_from = server
+        .gql(
+            &token,
+            "query($c: ID!) { conversation(id: $c) { lastCursor } }",
+            json!({ "c": conversation }),
+        )
+        .await["conversation"]["lastCursor"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert_eq!(resume_from, "0000000000000010");
+
+    // One subscriber resumes before the writers start, one while they write.
+    let mut early = WsClient::connect(&server, &token).await;
+    early
+        .subscribe(
+            "early",
+            CONVERSATION_EVENTS,
+            json!({ "c": conversation, "a": resume_from }),
+        )
+        .await;
+    let writers: Vec<_> = (0..WRITERS)
+        .map(|w| {
+            let server_base = server.base.clone();
+            let token = token.clone();
+            let conversation = conversation.clone();
+            tokio::spawn(async move {
+                let http = reqwest::Client::new();
+                for i in 0..SENDS_PER_WRITER {
+                    let body: Value = http
+                        .post(format!("{server_base}/graphql"))
+                        .bearer_auth(&token)
+                        .json(&json!({
+                            "query": "mutation($c: ID!, $t: String!) { sendMessage(input: {conversationId: $c, text: $t}) { run { id } } }",
+                            "variables": { "c": conversation, "t": format!("writer {w} message {i}") },
+                        }))
+                        .send()
+                        .await
+                        .unwrap()
+                        .json()
+                        .await
+                        .unwrap();
+                    assert!(body.get("errors").is_none(), "{body}");
+                }
+            })
+        })
+        .collect();
+
+    // Wait until the writers are well under way, then resume mid-stream.
+    loop {
+        let events = server.all_events(&token, &conversation).await;
+        if events.len() > 300 {
+            break;
+        }
+        tokio::task::yield_now().await;
+    }
+    let mut late = WsClient::connect(&server, &token).await;
+    late.subscribe(
+        "late",
+        CONVERSATION_EVENTS,
+        json!({ "c": conversation, "a": resume_from }),
+    )
+    .await;
+
+    for writer in writers {
+        writer.await.unwrap();
+    }
+    let total = 10 + WRITERS * SENDS_PER_WRITER * 2;
+    let last = format!("{total:016}");
+    let expected: Vec<String> = (11..=total).map(|n| format!("{n:016}")).collect();
+
+    let early_seen = collect_cursors(&mut early, "early", &last).await;
+    let late_seen = collect_cursors(&mut late, "late", &last).await;
+    assert_eq!(
+        early_seen, expected,
+        "early subscriber: gap, repeat or disorder"
+    );
+    assert_eq!(
+        late_seen, expected,
+        "late subscriber: gap, repeat or disorder"
+    );
+
+    // The log agrees, page by page.
+    let logged = server.all_events(&token, &conversation).await;
+    let logged: Vec<String> = logged[10..]
+        .iter()
+        .map(|e| e["cursor"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(logged, expected);
+    let distinct: HashSet<_> = logged.iter().collect();
+    assert_eq!(distinct.len(), logged.len());
+}
+
+#[tokio::test]
+async fn run_events_complete_after_the_final_event() {
+    let server = Server::start().await;
+    let token = server.token("acme", "ada");
+    let conversation = server.create_conversation(&token).await;
+    let (_, first_run) = server.send(&token, &conversation, "one").await;
+    let (_, run) = server.send(&token, &conversation, "two").await;
+    let mut client = WsClient::connect(&server, &token).await;
+    const RUN_EVENTS: &str = "subscription($r: ID!, $a: String) { runEvents(runId: $r, after: $a) { cursor type runId } }";
+    client
+        .subscribe(
+            "1",
+            RUN_EVENTS,
+            json!({ "r": run, "a": "0000000000000000" }),
+        )
+        .await;
+    let event = client.next_event("1").await["data"]["runEvents"].clone();
+    assert_eq!(event["type"], "message.created");
+    assert_eq!(event["runId"], run.as_str());
+    let event = client.next_event("1").await["data"]["runEvents"].clone();
+    assert_eq!(event["type"], "run.queued");
+
+    server
+        .gql(
+            &token,
+            "mutation($r: ID!) { cancelRun(runId: $r) { status } }",
+            json!({ "r": first_run }),
+        )
+        .await;
+    server
+        .gql(
+            &token,
+            "mutation($r: ID!) { cancelRun(runId: $r) { status } }",
+            json!({ "r": run }),
+        )
+        .await;
+    // The other run's cancellation is filtered out; ours ends the stream.
+    let event = client.next_event("1").await["data"]["runEvents"].clone();
+    assert_eq!(event["type"], "run.cancelled");
+    assert_eq!(event["runId"], run.as_str());
+    let complete = client.next_json().await.unwrap();
+    assert_eq!(complete, json!({ "type": "complete", "id": "1" }));
+
+    // An ended run replays its story from a cursor, then completes; from
+    // its end it completes at once.
+    client
+        .subscribe(
+            "2",
+            RUN_EVENTS,
+            json!({ "r": run, "a": "0000000000000000" }),
+        )
+        .await;
+    let mut types = Vec::new();
+    loop {
+        let message = client.next_json().await.unwrap();
+        if message["type"] == "complete" {
+            break;
+        }
+        types.push(
+            message["payload"]["data"]["runEvents"]["type"]
+                .as_str()
+                .unwrap()
+                .to_owned(),
+        );
+    }
+    assert_eq!(types, ["message.created", "run.queued", "run.cancelled"]);
+    client.subscribe("3", RUN_EVENTS, json!({ "r": run })).await;
+    assert_eq!(
+        client.next_json().await.unwrap(),
+        json!({ "type": "complete", "id": "3" })
+    );
+}
+
+#[tokio::test]
+async fn a_malformed_cursor_is_bad_user_input() {
+    let server = Server::start().await;
+    let token = server.token("acme", "ada");
+    let conversation = server.create_conversation(&token).await;
+    let err = server
+        .gql_error(
+            &token,
+            "query($c: ID!) { events(conversationId: $c, after: \"12\") { hasMore } }",
+            json!({ "c": conversation }),
+        )
+        .await;
+    assert_eq!(err["extensions"]["code"], "BAD_USER_INPUT");
+    let mut client = WsClient::connect(&server, &token).await;
+    client
+        .subscribe(
+            "1",
+            CONVERSATION_EVENTS,
+            json!({ "c": conversation, "a": "yesterday" }),
+        )
+        .await;
+    let message = client.next_json().await.unwrap();
+    assert!(message.to_string().contains("BAD_USER_INPUT"), "{message}");
+}

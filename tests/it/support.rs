@@ -1,0 +1,442 @@
+//! Test harness: a fresh database per test (SQLite file, or a new PostgreSQL
+//! database when `TETHER_TEST_DATABASE_URL` is set), the real `tether`
+//! binary on port 0, and GraphQL clients over HTTP and WebSocket.
+
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::Duration;
+
+use futures_util::{SinkExt, StreamExt};
+use serde_json::{Value, json};
+use tether::api::auth::Authenticator;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::net::TcpStream;
+use tokio::process::{Child, Command};
+use tokio_tungstenite::tungstenite::Message as WsFrame;
+use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+use tokio_tungstenite::tungstenite::http::HeaderValue;
+use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
+use uuid::Uuid;
+
+pub const SECRET: &str = "integration-test-secret";
+
+/// How long any single expected thing may take before a test fails.
+pub const PATIENCE: Duration = Duration::from_secs(20);
+
+/// The configuration tests run with unless they pass their own.
+pub const BASE_CONFIG: &str = r#"
+default_agent = "demo"
+
+[api]
+max_message_bytes = 4096
+max_request_bytes = 65536
+max_query_depth = 10
+
+[[agents]]
+name = "demo"
+provider = "scripted"
+tools = ["ask_questions", "demo_publish"]
+
+[[agents]]
+name = "other"
+provider = "scripted"
+"#;
+
+/// A database of its own for one test, removed afterwards.
+pub struct TestDb {
+    pub url: String,
+    dir: PathBuf,
+    postgres: Option<(String, String)>,
+}
+
+impl TestDb {
+    pub async fn new() -> TestDb {
+        let dir = std::env::temp_dir().join(format!("tether-it-{}", Uuid::now_v7().simple()));
+        std::fs::create_dir_all(&dir).unwrap();
+        match std::env::var("TETHER_TEST_DATABASE_URL") {
+            Ok(base) if base.starts_with("postgres") => {
+                let name = format!("tether_it_{}", Uuid::now_v7().simple());
+                let admin = sea_orm::Database::connect(base.as_str())
+                    .await
+                    .expect("TETHER_TEST_DATABASE_URL must be reachable");
+                use sea_orm::ConnectionTrait;
+                admin
+                    .execute_unprepared(&format!("CREATE DATABASE \"{name}\""))
+                    .await
+                    .unwrap();
+                admin.close().await.unwrap();
+                let url = with_database(&base, &name);
+                TestDb {
+                    url,
+                    dir,
+                    postgres: Some((base, name)),
+                }
+            }
+            _ => TestDb {
+                url: format!("sqlite://{}?mode=rwc", dir.join("tether.db").display()),
+                dir,
+                postgres: None,
+            },
+        }
+    }
+}
+
+fn with_database(base: &str, name: &str) -> String {
+    let (without_query, query) = match base.split_once('?') {
+        Some((head, query)) => (head, format!("?{query}")),
+        None => (base, String::new()),
+    };
+    let prefix = match without_query.rfind('/') {
+        Some(i) if i > "postgres://".len() => &without_query[..i],
+        _ => without_query,
+    };
+    format!("{prefix}/{name}{query}")
+}
+
+impl Drop for TestDb {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+        if let Some((base, name)) = self.postgres.take() {
+            // Drop runs outside any runtime we may block: use a thread.
+            let _ = std::thread::spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap();
+                rt.block_on(async {
+                    use sea_orm::ConnectionTrait;
+                    if let Ok(admin) = sea_orm::Database::connect(base.as_str()).await {
+                        let _ = admin
+                            .execute_unprepared(&format!(
+                                "DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)"
+                            ))
+                            .await;
+                        let _ = admin.close().await;
+                    }
+                });
+            })
+            .join();
+        }
+    }
+}
+
+/// The real binary, serving on a port the system chose.
+pub struct Server {
+    pub base: String,
+    pub addr: String,
+    http: reqwest::Client,
+    auth: Authenticator,
+    // Held for their drops: the process is killed, the database removed.
+    _child: Child,
+    _db: TestDb,
+}
+
+pub struct ServerOptions {
+    pub config: String,
+    pub env: Vec<(String, String)>,
+}
+
+impl Default for ServerOptions {
+    fn default() -> Self {
+        ServerOptions {
+            config: BASE_CONFIG.to_owned(),
+            env: Vec::new(),
+        }
+    }
+}
+
+/// Runs the binary with a configuration file and the test's database.
+pub fn tether_command(db: &TestDb, config: &str, dir: &std::path::Path) -> Command {
+    let config_path = dir.join(format!("tether-{}.toml", Uuid::now_v7().simple()));
+    std::fs::write(&config_path, config).unwrap();
+    let mut command = Command::new(env!("CARGO_BIN_EXE_tether"));
+    command
+        .current_dir(dir)
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .env("TETHER_CONFIG", &config_path)
+        .env("TETHER_DATABASE_URL", &db.url)
+        .env("TETHER_LISTEN", "127.0.0.1:0")
+        .env("TETHER_JWT_SECRET", SECRET)
+        .env("RUST_LOG", "warn")
+        .kill_on_drop(true);
+    command
+}
+
+impl Server {
+    pub async fn start() -> Server {
+        Server::start_with(ServerOptions::default()).await
+    }
+
+    pub async fn start_with(options: ServerOptions) -> Server {
+        let db = TestDb::new().await;
+        let mut command = tether_command(&db, &options.config, &db.dir);
+        command
+            .arg("serve")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit());
+        for (key, value) in &options.env {
+            command.env(key, value);
+        }
+        let mut child = command.spawn().expect("the tether binary starts");
+        let stdout = child.stdout.take().unwrap();
+        let mut lines = BufReader::new(stdout).lines();
+        let line = tokio::time::timeout(Duration::from_secs(60), lines.next_line())
+            .await
+            .expect("tether prints its address within a minute")
+            .unwrap()
+            .expect("tether printed its address before exiting");
+        let base = line
+            .strip_prefix("tether listening on ")
+            .unwrap_or_else(|| panic!("unexpected first line: {line}"))
+            .to_owned();
+        // Keep reading stdout so the child never blocks on a full pipe.
+        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        let addr = base.trim_start_matches("http://").to_owned();
+        Server {
+            base,
+            addr,
+            http: reqwest::Client::new(),
+            auth: Authenticator::new(SECRET).unwrap(),
+            _child: child,
+            _db: db,
+        }
+    }
+
+    pub fn token(&self, tenant: &str, sub: &str) -> String {
+        self.auth.mint(tenant, sub, Duration::from_secs(3600))
+    }
+
+    pub fn token_for(&self, tenant: &str, sub: &str, ttl: Duration) -> String {
+        self.auth.mint(tenant, sub, ttl)
+    }
+
+    /// Posts a GraphQL request; returns the HTTP status and the JSON body.
+    pub async fn post(&self, token: Option<&str>, query: &str, variables: Value) -> (u16, Value) {
+        let mut request = self
+            .http
+            .post(format!("{}/graphql", self.base))
+            .json(&json!({ "query": query, "variables": variables }));
+        if let Some(token) = token {
+            request = request.bearer_auth(token);
+        }
+        let response = request.send().await.unwrap();
+        let status = response.status().as_u16();
+        (status, response.json().await.unwrap())
+    }
+
+    /// Posts a GraphQL request that must succeed; returns its `data`.
+    pub async fn gql(&self, token: &str, query: &str, variables: Value) -> Value {
+        let (status, body) = self.post(Some(token), query, variables).await;
+        assert_eq!(status, 200, "{body}");
+        assert!(body.get("errors").is_none(), "unexpected errors: {body}");
+        body["data"].clone()
+    }
+
+    /// Posts a GraphQL request that must fail; returns its first error.
+    pub async fn gql_error(&self, token: &str, query: &str, variables: Value) -> Value {
+        let (_, body) = self.post(Some(token), query, variables).await;
+        body["errors"]
+            .get(0)
+            .cloned()
+            .unwrap_or_else(|| panic!("expected an error: {body}"))
+    }
+
+    pub async fn get(&self, path: &str) -> reqwest::Response {
+        self.http
+            .get(format!("{}{path}", self.base))
+            .send()
+            .await
+            .unwrap()
+    }
+
+    pub fn http(&self) -> &reqwest::Client {
+        &self.http
+    }
+
+    pub async fn create_conversation(&self, token: &str) -> String {
+        let data = self
+            .gql(
+                token,
+                "mutation { createConversation(input: {}) { id } }",
+                json!({}),
+            )
+            .await;
+        data["createConversation"]["id"]
+            .as_str()
+            .unwrap()
+            .to_owned()
+    }
+
+    /// Sends a message; returns (message id, run id).
+    pub async fn send(&self, token: &str, conversation: &str, text: &str) -> (String, String) {
+        let data = self
+            .gql(
+                token,
+                "mutation($c: ID!, $t: String!) { sendMessage(input: {conversationId: $c, text: $t}) { message { id } run { id } } }",
+                json!({ "c": conversation, "t": text }),
+            )
+            .await;
+        (
+            data["sendMessage"]["message"]["id"]
+                .as_str()
+                .unwrap()
+                .to_owned(),
+            data["sendMessage"]["run"]["id"]
+                .as_str()
+                .unwrap()
+                .to_owned(),
+        )
+    }
+
+    /// Every persisted event of a conversation, through `events` pages.
+    pub async fn all_events(&self, token: &str, conversation: &str) -> Vec<Value> {
+        let mut events = Vec::new();
+        let mut after: Option<String> = None;
+        loop {
+            let data = self
+                .gql(
+                    token,
+                    "query($c: ID!, $a: String) { events(conversationId: $c, after: $a, first: 1000) { endCursor hasMore events { cursor type runId } } }",
+                    json!({ "c": conversation, "a": after }),
+                )
+                .await;
+            let page = &data["events"];
+            events.extend(page["events"].as_array().unwrap().iter().cloned());
+            after = page["endCursor"].as_str().map(str::to_owned);
+            if !page["hasMore"].as_bool().unwrap() {
+                return events;
+            }
+        }
+    }
+}
+
+pub type Socket = WebSocketStream<MaybeTlsStream<TcpStream>>;
+
+/// A GraphQL WebSocket client speaking `graphql-transport-ws` or `graphql-ws`.
+pub struct WsClient {
+    socket: Socket,
+    pub protocol: &'static str,
+}
+
+/// How a WebSocket conversation ended from the client's side.
+#[derive(Debug, PartialEq)]
+pub enum Ending {
+    Closed(u16, String),
+    Dropped,
+}
+
+impl WsClient {
+    pub async fn open(server: &Server, protocol: &'static str) -> WsClient {
+        let mut request = format!("ws://{}/graphql", server.addr)
+            .into_client_request()
+            .unwrap();
+        request
+            .headers_mut()
+            .insert("Sec-WebSocket-Protocol", HeaderValue::from_static(protocol));
+        let (socket, response) = tokio_tungstenite::connect_async(request).await.unwrap();
+        assert_eq!(
+            response.headers().get("sec-websocket-protocol").unwrap(),
+            protocol
+        );
+        WsClient { socket, protocol }
+    }
+
+    /// Opens and initialises with a token; panics unless acknowledged.
+    pub async fn connect(server: &Server, token: &str) -> WsClient {
+        let mut client = WsClient::open(server, "graphql-transport-ws").await;
+        client
+            .init(json!({ "Authorization": format!("Bearer {token}") }))
+            .await;
+        let ack = client.next_json().await.expect("connection_ack");
+        assert_eq!(ack["type"], "connection_ack", "{ack}");
+        client
+    }
+
+    pub async fn init(&mut self, payload: Value) {
+        self.send_json(json!({ "type": "connection_init", "payload": payload }))
+            .await;
+    }
+
+    pub async fn send_json(&mut self, value: Value) {
+        self.socket
+            .send(WsFrame::Text(value.to_string().into()))
+            .await
+            .unwrap();
+    }
+
+    pub async fn subscribe(&mut self, id: &str, query: &str, variables: Value) {
+        let kind = if self.protocol == "graphql-ws" {
+            "start"
+        } else {
+            "subscribe"
+        };
+        self.send_json(json!({
+            "id": id,
+            "type": kind,
+            "payload": { "query": query, "variables": variables },
+        }))
+        .await;
+    }
+
+    /// The next JSON message, skipping keepalives; `None` once the socket
+    /// ended (see `ending`).
+    pub async fn next_json(&mut self) -> Option<Value> {
+        loop {
+            let frame = tokio::time::timeout(PATIENCE, self.socket.next())
+                .await
+                .expect("a WebSocket message in time")?;
+            match frame {
+                Ok(WsFrame::Text(text)) => {
+                    let value: Value = serde_json::from_str(&text).unwrap();
+                    match value["type"].as_str() {
+                        Some("ping") => {
+                            self.send_json(json!({"type": "pong"})).await;
+                        }
+                        Some("ka") => {}
+                        _ => return Some(value),
+                    }
+                }
+                Ok(WsFrame::Close(_)) | Err(_) => return None,
+                Ok(_) => {}
+            }
+        }
+    }
+
+    /// Reads until the server closes; returns the close code and reason.
+    pub async fn ending(&mut self) -> Ending {
+        loop {
+            let frame = tokio::time::timeout(PATIENCE, self.socket.next())
+                .await
+                .expect("the server closes in time");
+            match frame {
+                Some(Ok(WsFrame::Close(Some(frame)))) => {
+                    return Ending::Closed(frame.code.into(), frame.reason.to_string());
+                }
+                Some(Ok(WsFrame::Close(None))) | None | Some(Err(_)) => return Ending::Dropped,
+                Some(Ok(_)) => {}
+            }
+        }
+    }
+
+    /// The next `next`/`data` payload of subscription `id`.
+    pub async fn next_event(&mut self, id: &str) -> Value {
+        loop {
+            let message = self.next_json().await.expect("the socket stays open");
+            match message["type"].as_str() {
+                Some("next" | "data") if message["id"] == id => return message["payload"].clone(),
+                Some("error") => panic!("subscription error: {message}"),
+                _ => {}
+            }
+        }
+    }
+}
+
+/// `"2026-11-29T13:48:34.123Z"`: UTC, `Z`, exactly milliseconds.
+pub fn assert_datetime(value: &Value) {
+    let text = value
+        .as_str()
+        .unwrap_or_else(|| panic!("not a string: {value}"));
+    let re = regex::Regex::new(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}\.\d{3}Z$").unwrap();
+    assert!(re.is_match(text), "bad DateTime {text}");
+}
