@@ -99,3 +99,75 @@ pub fn follow(store: Store, request: FeedRequest) -> impl Stream<Item = Result<A
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use futures_util::StreamExt;
+
+    use super::*;
+    use crate::bus::CAPACITY;
+    use crate::domain::ActiveRunStrategy;
+    use crate::store::commands::{self, Actor, NewConversation, NewMessage};
+    use crate::store::test_support::temp_store;
+
+    async fn send(store: &Store, actor: &Actor, conversation_id: Uuid) {
+        commands::send_message(
+            store,
+            actor,
+            NewMessage {
+                conversation_id,
+                text: "hi".into(),
+                client_message_id: None,
+                on_active_run: ActiveRunStrategy::Queue,
+                max_attempts: 1,
+            },
+        )
+        .await
+        .unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_subscriber_that_lags_on_the_bus_reads_the_log_and_misses_nothing() {
+        let (store, dir) = temp_store().await;
+        let actor = Actor {
+            tenant: "acme".into(),
+            principal: "ada".into(),
+        };
+        let conversation = commands::create_conversation(
+            &store,
+            &actor,
+            NewConversation {
+                agent: "demo".into(),
+                title: None,
+            },
+        )
+        .await
+        .unwrap();
+        send(&store, &actor, conversation.id).await;
+        let mut feed = Box::pin(follow(
+            store.clone(),
+            FeedRequest {
+                tenant: "acme".into(),
+                conversation_id: conversation.id,
+                after: Some(Cursor::START),
+                run_id: None,
+            },
+        ));
+        // Once the first event arrives the feed is registered on the bus.
+        assert_eq!(feed.next().await.unwrap().unwrap().cursor, Cursor(1));
+
+        // More events than the bus holds, while nobody reads.
+        let sends = CAPACITY / 2 + 10;
+        for _ in 0..sends {
+            send(&store, &actor, conversation.id).await;
+        }
+        let total = 2 + 2 * sends as i64;
+        let mut expected = 2;
+        while expected <= total {
+            let event = feed.next().await.unwrap().unwrap();
+            assert_eq!(event.cursor, Cursor(expected), "gap or repeat after a lag");
+            expected += 1;
+        }
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}

@@ -11,7 +11,7 @@ use uuid::Uuid;
 use crate::domain::event::Event;
 
 /// Events buffered per conversation for each subscriber before it lags.
-const CAPACITY: usize = 1024;
+pub const CAPACITY: usize = 1024;
 
 #[derive(Clone, Default)]
 pub struct Bus {

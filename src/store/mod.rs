@@ -224,3 +224,51 @@ where
         .parse()
         .map_err(|e: T::Err| Error::Corrupt(format!("{what}: {e}")))
 }
+
+#[cfg(test)]
+pub(crate) mod test_support {
+    use super::*;
+
+    /// A migrated store on a SQLite file of its own; remove the folder after.
+    pub async fn temp_store() -> (Store, std::path::PathBuf) {
+        let dir = std::env::temp_dir().join(format!("tether-store-{}", Uuid::now_v7().simple()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let url = format!("sqlite://{}?mode=rwc", dir.join("t.db").display());
+        let store = Store::connect(&url, Bus::new()).await.unwrap();
+        store.migrate().await.unwrap();
+        (store, dir)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::test_support::temp_store;
+    #[tokio::test]
+    async fn sqlite_is_set_up_for_concurrent_use() {
+        use sea_orm::{ConnectionTrait, Statement};
+        let (store, dir) = temp_store().await;
+        let row = store
+            .db()
+            .query_one_raw(Statement::from_string(
+                store.backend(),
+                "PRAGMA journal_mode".to_owned(),
+            ))
+            .await
+            .unwrap()
+            .unwrap();
+        let mode: String = row.try_get_by_index(0).unwrap();
+        assert_eq!(mode, "wal");
+        let row = store
+            .db()
+            .query_one_raw(Statement::from_string(
+                store.backend(),
+                "PRAGMA busy_timeout".to_owned(),
+            ))
+            .await
+            .unwrap()
+            .unwrap();
+        let timeout: i64 = row.try_get_by_index(0).unwrap();
+        assert!(timeout >= 1000, "busy_timeout {timeout}");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}

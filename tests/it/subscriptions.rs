@@ -302,3 +302,22 @@ async fn a_malformed_cursor_is_bad_user_input() {
     let message = client.next_json().await.unwrap();
     assert!(message.to_string().contains("BAD_USER_INPUT"), "{message}");
 }
+
+#[tokio::test]
+async fn the_server_pings_idle_connections() {
+    let config = crate::support::BASE_CONFIG.replace("[api]\n", "[api]\nws_keepalive_secs = 1\n");
+    let server = Server::start_with(crate::support::ServerOptions {
+        config,
+        ..Default::default()
+    })
+    .await;
+    let token = server.token("acme", "ada");
+    let mut modern = WsClient::connect(&server, &token).await;
+    assert_eq!(modern.wait_for_keepalive().await, json!({ "type": "ping" }));
+    let mut legacy = WsClient::open(&server, "graphql-ws").await;
+    legacy
+        .init(json!({ "Authorization": format!("Bearer {token}") }))
+        .await;
+    assert_eq!(legacy.next_json().await.unwrap()["type"], "connection_ack");
+    assert_eq!(legacy.wait_for_keepalive().await, json!({ "type": "ka" }));
+}

@@ -403,6 +403,23 @@ impl WsClient {
         }
     }
 
+    /// Reads until the server sends a keepalive of its own.
+    pub async fn wait_for_keepalive(&mut self) -> Value {
+        loop {
+            let frame = tokio::time::timeout(PATIENCE, self.socket.next())
+                .await
+                .expect("a keepalive in time")
+                .expect("the socket stays open")
+                .unwrap();
+            if let WsFrame::Text(text) = frame {
+                let value: Value = serde_json::from_str(&text).unwrap();
+                if matches!(value["type"].as_str(), Some("ping" | "ka")) {
+                    return value;
+                }
+            }
+        }
+    }
+
     /// Reads until the server closes; returns the close code and reason.
     pub async fn ending(&mut self) -> Ending {
         loop {
