@@ -84,6 +84,27 @@ enum Events {
     CreatedAt,
 }
 
+fn index<T: IntoIden, C: IntoIden>(
+    name: &str,
+    table: T,
+    columns: impl IntoIterator<Item = C>,
+) -> IndexCreateStatement {
+    let mut index = Index::create();
+    index.name(name).table(table);
+    for column in columns {
+        index.col(column);
+    }
+    index.to_owned()
+}
+
+fn unique_index<T: IntoIden, C: IntoIden>(
+    name: &str,
+    table: T,
+    columns: impl IntoIterator<Item = C>,
+) -> IndexCreateStatement {
+    index(name, table, columns).unique().to_owned()
+}
+
 #[async_trait::async_trait]
 impl MigrationTrait for Migration {
     async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
@@ -102,14 +123,11 @@ impl MigrationTrait for Migration {
             )
             .await?;
         manager
-            .create_index(
-                Index::create()
-                    .name("conversations_tenant_id")
-                    .table(Conversations::Table)
-                    .col(Conversations::Tenant)
-                    .col(Conversations::Id)
-                    .to_owned(),
-            )
+            .create_index(index(
+                "conversations_tenant_id",
+                Conversations::Table,
+                [Conversations::Tenant, Conversations::Id],
+            ))
             .await?;
 
         manager
@@ -132,25 +150,18 @@ impl MigrationTrait for Migration {
             )
             .await?;
         manager
-            .create_index(
-                Index::create()
-                    .name("messages_conversation_id")
-                    .table(Messages::Table)
-                    .col(Messages::ConversationId)
-                    .col(Messages::Id)
-                    .to_owned(),
-            )
+            .create_index(index(
+                "messages_conversation_id",
+                Messages::Table,
+                [Messages::ConversationId, Messages::Id],
+            ))
             .await?;
         manager
-            .create_index(
-                Index::create()
-                    .name("messages_client_message_id")
-                    .table(Messages::Table)
-                    .col(Messages::ConversationId)
-                    .col(Messages::ClientMessageId)
-                    .unique()
-                    .to_owned(),
-            )
+            .create_index(unique_index(
+                "messages_client_message_id",
+                Messages::Table,
+                [Messages::ConversationId, Messages::ClientMessageId],
+            ))
             .await?;
 
         manager
@@ -177,15 +188,11 @@ impl MigrationTrait for Migration {
             )
             .await?;
         manager
-            .create_index(
-                Index::create()
-                    .name("parts_message_idx")
-                    .table(Parts::Table)
-                    .col(Parts::MessageId)
-                    .col(Parts::Idx)
-                    .unique()
-                    .to_owned(),
-            )
+            .create_index(unique_index(
+                "parts_message_idx",
+                Parts::Table,
+                [Parts::MessageId, Parts::Idx],
+            ))
             .await?;
 
         manager
@@ -225,23 +232,14 @@ impl MigrationTrait for Migration {
             )
             .await?;
         manager
-            .create_index(
-                Index::create()
-                    .name("runs_conversation_created")
-                    .table(Runs::Table)
-                    .col(Runs::ConversationId)
-                    .col(Runs::Id)
-                    .to_owned(),
-            )
+            .create_index(index(
+                "runs_conversation_created",
+                Runs::Table,
+                [Runs::ConversationId, Runs::Id],
+            ))
             .await?;
         manager
-            .create_index(
-                Index::create()
-                    .name("runs_status")
-                    .table(Runs::Table)
-                    .col(Runs::Status)
-                    .to_owned(),
-            )
+            .create_index(index("runs_status", Runs::Table, [Runs::Status]))
             .await?;
 
         manager
@@ -265,14 +263,11 @@ impl MigrationTrait for Migration {
             )
             .await?;
         manager
-            .create_index(
-                Index::create()
-                    .name("events_run")
-                    .table(Events::Table)
-                    .col(Events::RunId)
-                    .col(Events::Seq)
-                    .to_owned(),
-            )
+            .create_index(index(
+                "events_run",
+                Events::Table,
+                [Events::RunId, Events::Seq],
+            ))
             .await
     }
 

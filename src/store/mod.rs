@@ -242,33 +242,29 @@ pub(crate) mod test_support {
 
 #[cfg(test)]
 mod tests {
+    use sea_orm::{ConnectionTrait, Statement};
+
+    use super::Store;
     use super::test_support::temp_store;
+
+    async fn pragma<T: sea_orm::TryGetable>(store: &Store, name: &str) -> T {
+        let sql = format!("PRAGMA {name}");
+        let row = store
+            .db()
+            .query_one_raw(Statement::from_string(store.backend(), sql))
+            .await
+            .unwrap()
+            .unwrap();
+        row.try_get_by_index(0).unwrap()
+    }
+
     #[tokio::test]
     async fn sqlite_is_set_up_for_concurrent_use() {
-        use sea_orm::{ConnectionTrait, Statement};
         let (store, dir) = temp_store().await;
-        let row = store
-            .db()
-            .query_one_raw(Statement::from_string(
-                store.backend(),
-                "PRAGMA journal_mode".to_owned(),
-            ))
-            .await
-            .unwrap()
-            .unwrap();
-        let mode: String = row.try_get_by_index(0).unwrap();
-        assert_eq!(mode, "wal");
-        let row = store
-            .db()
-            .query_one_raw(Statement::from_string(
-                store.backend(),
-                "PRAGMA busy_timeout".to_owned(),
-            ))
-            .await
-            .unwrap()
-            .unwrap();
-        let timeout: i64 = row.try_get_by_index(0).unwrap();
+        assert_eq!(pragma::<String>(&store, "journal_mode").await, "wal");
+        let timeout: i64 = pragma(&store, "busy_timeout").await;
         assert!(timeout >= 1000, "busy_timeout {timeout}");
+        assert_eq!(pragma::<i64>(&store, "foreign_keys").await, 1);
         std::fs::remove_dir_all(dir).unwrap();
     }
 }

@@ -4,7 +4,8 @@
 use std::collections::HashMap;
 
 use sea_orm::{
-    ColumnTrait, ConnectionTrait, EntityTrait, Order, QueryFilter, QueryOrder, QuerySelect,
+    ColumnTrait, ConnectionTrait, EntityTrait, Order, PrimaryKeyTrait, QueryFilter, QueryOrder,
+    QuerySelect,
 };
 use uuid::Uuid;
 
@@ -14,15 +15,30 @@ use crate::domain::cursor::Cursor;
 use crate::domain::event::{Event, EventKind};
 use crate::domain::run::RunStatus;
 
+/// One row by id, only if it belongs to `tenant`.
+async fn owned<E, C>(
+    db: &C,
+    tenant_column: E::Column,
+    tenant: &str,
+    id: Uuid,
+) -> Result<Option<E::Model>>
+where
+    E: EntityTrait,
+    E::PrimaryKey: PrimaryKeyTrait<ValueType = Uuid>,
+    C: ConnectionTrait,
+{
+    Ok(E::find_by_id(id)
+        .filter(tenant_column.eq(tenant))
+        .one(db)
+        .await?)
+}
+
 pub async fn conversation<C: ConnectionTrait>(
     db: &C,
     tenant: &str,
     id: Uuid,
 ) -> Result<Option<conversation::Model>> {
-    Ok(conversation::Entity::find_by_id(id)
-        .filter(conversation::Column::Tenant.eq(tenant))
-        .one(db)
-        .await?)
+    owned::<conversation::Entity, _>(db, conversation::Column::Tenant, tenant, id).await
 }
 
 /// Newest first. Returns the page and whether more follow.
@@ -71,10 +87,7 @@ pub async fn message<C: ConnectionTrait>(
     tenant: &str,
     id: Uuid,
 ) -> Result<Option<message::Model>> {
-    Ok(message::Entity::find_by_id(id)
-        .filter(message::Column::Tenant.eq(tenant))
-        .one(db)
-        .await?)
+    owned::<message::Entity, _>(db, message::Column::Tenant, tenant, id).await
 }
 
 /// The parts of several messages in one query, each message's in order.
@@ -105,17 +118,11 @@ pub async fn part<C: ConnectionTrait>(
     tenant: &str,
     id: Uuid,
 ) -> Result<Option<part::Model>> {
-    Ok(part::Entity::find_by_id(id)
-        .filter(part::Column::Tenant.eq(tenant))
-        .one(db)
-        .await?)
+    owned::<part::Entity, _>(db, part::Column::Tenant, tenant, id).await
 }
 
 pub async fn run<C: ConnectionTrait>(db: &C, tenant: &str, id: Uuid) -> Result<Option<run::Model>> {
-    Ok(run::Entity::find_by_id(id)
-        .filter(run::Column::Tenant.eq(tenant))
-        .one(db)
-        .await?)
+    owned::<run::Entity, _>(db, run::Column::Tenant, tenant, id).await
 }
 
 /// A conversation's runs, oldest first.
