@@ -112,10 +112,93 @@ pub struct IllegalTransition {
     pub action: &'static str,
 }
 
+/// What a person is being waited for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Waiting {
+    Question,
+    Approval,
+    Connection,
+}
+
+/// Everything that moves a run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RunInput {
+    /// A worker takes a queued run, or one whose retry is due.
+    Claim,
+    /// The worker parks the run until a person answers.
+    Park(Waiting),
+    /// A person answered: the run goes back to the queue.
+    Resume,
+    /// A model request failed transiently; the worker waits for the retry.
+    ScheduleRetry,
+    /// The worker gives the run back (shutdown), or its lease expired and
+    /// the reaper re-queues it.
+    Requeue,
+    /// The run ends for this cause.
+    End(EndCause),
+}
+
+impl RunInput {
+    fn describe(self) -> &'static str {
+        match self {
+            RunInput::Claim => "be claimed",
+            RunInput::Park(_) => "park",
+            RunInput::Resume => "resume",
+            RunInput::ScheduleRetry => "wait for a retry",
+            RunInput::Requeue => "be re-queued",
+            RunInput::End(_) => "end",
+        }
+    }
+}
+
+/// The run's next status, or a refusal. Ended runs never move again; only a
+/// claim makes a run `RUNNING`, and only from `QUEUED` or `RETRY_PENDING`.
+pub fn transition(from: RunStatus, input: RunInput) -> Result<RunStatus, IllegalTransition> {
+    use RunStatus::*;
+    let to = match (from, input) {
+        (Queued | RetryPending, RunInput::Claim) => Running,
+        (Running, RunInput::Park(Waiting::Question)) => WaitingForQuestion,
+        (Running, RunInput::Park(Waiting::Approval)) => WaitingForApproval,
+        (Running, RunInput::Park(Waiting::Connection)) => WaitingForConnection,
+        (WaitingForQuestion | WaitingForApproval | WaitingForConnection, RunInput::Resume) => {
+            Queued
+        }
+        (Running, RunInput::ScheduleRetry) => RetryPending,
+        (Running, RunInput::Requeue) => Queued,
+        (Running, RunInput::End(cause)) => cause.final_status(),
+        (from, RunInput::End(cause)) if from.is_parked() && cause.ends_parked() => {
+            cause.final_status()
+        }
+        _ => {
+            return Err(IllegalTransition {
+                from,
+                action: input.describe(),
+            });
+        }
+    };
+    Ok(to)
+}
+
+impl EndCause {
+    /// Causes that can end a run no worker holds: a person or the API
+    /// cancels it, a pause expires, recovery gives up, its time runs out.
+    fn ends_parked(self) -> bool {
+        matches!(
+            self,
+            EndCause::Cancelled
+                | EndCause::Interrupted
+                | EndCause::ConsentExpired
+                | EndCause::RecoveryLimit
+                | EndCause::Timeout
+                | EndCause::Error
+        )
+    }
+}
+
 /// Ends a run that no worker holds (queued, waiting, or between retries).
 pub fn end_parked(from: RunStatus, cause: EndCause) -> Result<RunStatus, IllegalTransition> {
     if from.is_parked() {
-        Ok(cause.final_status())
+        transition(from, RunInput::End(cause))
     } else {
         Err(IllegalTransition {
             from,
@@ -136,6 +219,76 @@ mod tests {
         assert_eq!(EndCause::Stopped.final_status(), RunStatus::Completed);
         assert_eq!(EndCause::Interrupted.final_status(), RunStatus::Cancelled);
         assert_eq!(EndCause::RecoveryLimit.final_status(), RunStatus::Failed);
+    }
+
+    fn inputs() -> Vec<RunInput> {
+        let mut all = vec![
+            RunInput::Claim,
+            RunInput::Park(Waiting::Question),
+            RunInput::Park(Waiting::Approval),
+            RunInput::Park(Waiting::Connection),
+            RunInput::Resume,
+            RunInput::ScheduleRetry,
+            RunInput::Requeue,
+        ];
+        all.extend(EndCause::ALL.iter().map(|c| RunInput::End(*c)));
+        all
+    }
+
+    #[test]
+    fn every_legal_transition_and_no_other() {
+        use RunStatus::*;
+        for from in RunStatus::ALL {
+            for input in inputs() {
+                let expected = match (*from, input) {
+                    (Queued | RetryPending, RunInput::Claim) => Some(Running),
+                    (Running, RunInput::Park(Waiting::Question)) => Some(WaitingForQuestion),
+                    (Running, RunInput::Park(Waiting::Approval)) => Some(WaitingForApproval),
+                    (Running, RunInput::Park(Waiting::Connection)) => Some(WaitingForConnection),
+                    (WaitingForQuestion | WaitingForApproval | WaitingForConnection, RunInput::Resume) => Some(Queued),
+                    (Running, RunInput::ScheduleRetry) => Some(RetryPending),
+                    (Running, RunInput::Requeue) => Some(Queued),
+                    (Running, RunInput::End(cause)) => Some(cause.final_status()),
+                    (
+                        Queued | RetryPending | WaitingForQuestion | WaitingForApproval | WaitingForConnection,
+                        RunInput::End(
+                            cause @ (EndCause::Cancelled
+                            | EndCause::Interrupted
+                            | EndCause::ConsentExpired
+                            | EndCause::RecoveryLimit
+                            | EndCause::Timeout
+                            | EndCause::Error),
+                        ),
+                    ) => Some(cause.final_status()),
+                    _ => None,
+                };
+                assert_eq!(transition(*from, input).ok(), expected, "{from} {input:?}");
+            }
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn random_sequences_never_leave_an_end_nor_run_twice(
+            picks in proptest::collection::vec(0usize..64, 0..60)
+        ) {
+            let all = inputs();
+            let mut status = RunStatus::Queued;
+            for pick in picks {
+                let input = all[pick % all.len()];
+                match transition(status, input) {
+                    Ok(next) => {
+                        proptest::prop_assert!(!status.is_ended(), "left {status} on {input:?}");
+                        if next == RunStatus::Running {
+                            proptest::prop_assert_ne!(status, RunStatus::Running);
+                            proptest::prop_assert_eq!(input, RunInput::Claim);
+                        }
+                        status = next;
+                    }
+                    Err(refused) => proptest::prop_assert_eq!(refused.from, status),
+                }
+            }
+        }
     }
 
     #[test]
