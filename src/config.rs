@@ -72,6 +72,12 @@ pub struct RuntimeConfig {
     pub heartbeat_secs: f64,
     pub checkpoint_ms: u64,
     pub crash_retry_budget: u32,
+    /// Runs one instance executes at once.
+    pub concurrency: usize,
+    /// How often workers look for runs without being woken.
+    pub poll_ms: u64,
+    /// How long shutdown waits for in-flight runs to reach a commit point.
+    pub shutdown_grace_secs: f64,
 }
 
 impl Default for RuntimeConfig {
@@ -81,6 +87,9 @@ impl Default for RuntimeConfig {
             heartbeat_secs: 5.0,
             checkpoint_ms: 250,
             crash_retry_budget: 3,
+            concurrency: 16,
+            poll_ms: 1000,
+            shutdown_grace_secs: 10.0,
         }
     }
 }
@@ -419,6 +428,9 @@ impl FileConfig {
             ));
         }
         at_least("runtime.checkpoint_ms", rt.checkpoint_ms, 1)?;
+        at_least("runtime.concurrency", rt.concurrency, 1)?;
+        at_least("runtime.poll_ms", rt.poll_ms, 10)?;
+        non_negative("runtime.shutdown_grace_secs", rt.shutdown_grace_secs)?;
         let api = &self.api;
         at_least("api.max_message_bytes", api.max_message_bytes, 1)?;
         at_least("api.max_request_bytes", api.max_request_bytes, 1024)?;

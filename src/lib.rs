@@ -8,5 +8,7 @@ pub mod api;
 pub mod bus;
 pub mod config;
 pub mod domain;
+pub mod providers;
+pub mod runtime;
 pub mod server;
 pub mod store;

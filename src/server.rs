@@ -8,7 +8,9 @@ use tokio::net::TcpListener;
 use crate::api::{self, auth::Authenticator, auth::DEVELOPMENT_SECRET, context::Services};
 use crate::bus::Bus;
 use crate::config::Config;
+use crate::runtime::{Runtime, RuntimeOptions};
 use crate::store::Store;
+use tokio_util::sync::CancellationToken;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Role {
@@ -41,14 +43,25 @@ pub async fn serve(config: Config, role: Role) -> anyhow::Result<()> {
     }
     let store = open_store(&config).await?;
     let auth = authenticator(&config)?;
+    let file = Arc::new(config.file.clone());
+    let runtime = (role != Role::Api).then(|| {
+        Runtime::start(
+            store.clone(),
+            file.clone(),
+            RuntimeOptions {
+                instance_id: instance_id(),
+                sole_owner: config.database_url.starts_with("sqlite:"),
+            },
+        )
+    });
     let services = Services {
         store,
-        config: Arc::new(config.file.clone()),
+        config: file,
     };
-    if role == Role::Worker {
-        tracing::info!("worker role: no workers exist yet in this build; serving health only");
-    }
-    let app = api::router(services, auth);
+    let app = match role {
+        Role::Worker => api::health_router(services),
+        Role::All | Role::Api => api::router(services, auth),
+    };
     let listener = TcpListener::bind(config.listen)
         .await
         .with_context(|| format!("cannot listen on {}", config.listen))?;
@@ -56,10 +69,27 @@ pub async fn serve(config: Config, role: Role) -> anyhow::Result<()> {
     // Tests and scripts read this line to find a port chosen by the system.
     println!("tether listening on http://{addr}");
     tracing::info!(%addr, ?role, "serving");
-    axum::serve(listener, app)
-        .with_graceful_shutdown(shutdown_signal())
-        .await?;
+    let stopping = CancellationToken::new();
+    let server =
+        axum::serve(listener, app).with_graceful_shutdown(stopping.clone().cancelled_owned());
+    let server = tokio::spawn(async move { server.await });
+    shutdown_signal().await;
+    stopping.cancel();
+    if let Some(runtime) = runtime {
+        runtime.shutdown().await;
+    }
+    // Open WebSockets do not end by themselves; do not wait on them long.
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(5), server).await;
     Ok(())
+}
+
+/// `TETHER_INSTANCE_ID` names this process's leases, so that a restart
+/// with the same id reclaims them at once; otherwise a fresh id.
+fn instance_id() -> String {
+    std::env::var("TETHER_INSTANCE_ID")
+        .ok()
+        .filter(|id| !id.is_empty())
+        .unwrap_or_else(|| format!("tether-{}", uuid::Uuid::now_v7()))
 }
 
 async fn shutdown_signal() {

@@ -67,7 +67,7 @@ impl From<store::Error> for ApiError {
         match err {
             store::Error::NotFound => ApiError::NotFound,
             store::Error::Conflict(message) => ApiError::Conflict(message),
-            err @ (store::Error::Database(_) | store::Error::Corrupt(_)) => {
+            err @ (store::Error::Database(_) | store::Error::Corrupt(_) | store::Error::Fenced) => {
                 tracing::error!(error = %err, "store failure");
                 ApiError::Internal
             }

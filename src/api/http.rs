@@ -209,7 +209,11 @@ pub async fn healthz() -> &'static str {
 }
 
 pub async fn readyz(State(app): State<AppState>) -> Response {
-    match app.services.store.ping().await {
+    readyz_store(State(app.services.store)).await
+}
+
+pub async fn readyz_store(State(store): State<crate::store::Store>) -> Response {
+    match store.ping().await {
         Ok(()) => "ready".into_response(),
         Err(err) => {
             tracing::warn!(error = %err, "readiness check failed");

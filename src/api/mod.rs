@@ -59,6 +59,14 @@ pub fn sdl() -> String {
         )
 }
 
+/// Only the probes, for `--role worker`.
+pub fn health_router(services: Services) -> Router {
+    Router::new()
+        .route("/healthz", get(http::healthz))
+        .route("/readyz", get(http::readyz_store))
+        .with_state(services.store)
+}
+
 pub fn router(services: Services, auth: Authenticator) -> Router {
     let state = AppState {
         schema: schema(services.clone()),

@@ -77,7 +77,7 @@ impl Conversation {
         };
         let tenant = &viewer(ctx)?.tenant;
         let db = snapshot(ctx).await?;
-        let rows = reads::messages(&*db, tenant, self.0.id, last as u64, before).await?;
+        let rows = reads::messages(&*db, tenant, self.0.id, Some(last as u64), before).await?;
         let ids: Vec<Uuid> = rows.iter().map(|m| m.id).collect();
         let mut parts = reads::parts_of(&*db, tenant, &ids).await?;
         Ok(rows

@@ -1,21 +1,34 @@
-//! Live fan-out of events to subscribers in this process. The bus is a
-//! wake-up and a fast path, never the source of truth: a subscriber that lags
-//! behind reads the log instead.
+//! Live fan-out in this process: committed events to subscribers, and two
+//! signals to workers (a run was queued; a run's cancellation was requested).
+//! The bus is a wake-up and a fast path, never the source of truth: a
+//! subscriber that lags behind reads the log instead, and workers also poll.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use tokio::sync::broadcast;
+use tokio::sync::{Notify, broadcast};
 use uuid::Uuid;
 
-use crate::domain::event::Event;
+use crate::domain::event::{Event, EventKind};
 
 /// Events buffered per conversation for each subscriber before it lags.
 pub const CAPACITY: usize = 1024;
 
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct Bus {
     channels: Arc<Mutex<HashMap<Uuid, broadcast::Sender<Arc<Event>>>>>,
+    queued: Arc<Notify>,
+    cancels: broadcast::Sender<Uuid>,
+}
+
+impl Default for Bus {
+    fn default() -> Self {
+        Bus {
+            channels: Arc::default(),
+            queued: Arc::default(),
+            cancels: broadcast::channel(256).0,
+        }
+    }
 }
 
 impl Bus {
@@ -34,10 +47,13 @@ impl Bus {
     }
 
     /// Sends events to the current subscribers of their conversations, and
-    /// forgets conversations nobody listens to any more.
+    /// wakes a worker when a run was queued.
     pub fn publish(&self, events: &[Event]) {
         if events.is_empty() {
             return;
+        }
+        if events.iter().any(|e| e.kind == EventKind::RunQueued) {
+            self.queued.notify_one();
         }
         let mut channels = self.channels.lock().unwrap_or_else(PoisonError::into_inner);
         for event in events {
@@ -48,5 +64,19 @@ impl Bus {
                 channels.remove(&event.conversation_id);
             }
         }
+    }
+
+    /// Resolves when a run may have been queued since the last call.
+    pub async fn run_queued(&self) {
+        self.queued.notified().await;
+    }
+
+    /// Tells this process's workers that a run's cancellation was requested.
+    pub fn request_cancel(&self, run_id: Uuid) {
+        let _ = self.cancels.send(run_id);
+    }
+
+    pub fn cancel_requests(&self) -> broadcast::Receiver<Uuid> {
+        self.cancels.subscribe()
     }
 }

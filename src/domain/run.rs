@@ -195,18 +195,6 @@ impl EndCause {
     }
 }
 
-/// Ends a run that no worker holds (queued, waiting, or between retries).
-pub fn end_parked(from: RunStatus, cause: EndCause) -> Result<RunStatus, IllegalTransition> {
-    if from.is_parked() {
-        transition(from, RunInput::End(cause))
-    } else {
-        Err(IllegalTransition {
-            from,
-            action: "be ended without its worker",
-        })
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -245,12 +233,16 @@ mod tests {
                     (Running, RunInput::Park(Waiting::Question)) => Some(WaitingForQuestion),
                     (Running, RunInput::Park(Waiting::Approval)) => Some(WaitingForApproval),
                     (Running, RunInput::Park(Waiting::Connection)) => Some(WaitingForConnection),
-                    (WaitingForQuestion | WaitingForApproval | WaitingForConnection, RunInput::Resume) => Some(Queued),
+                    (
+                        WaitingForQuestion | WaitingForApproval | WaitingForConnection,
+                        RunInput::Resume,
+                    ) => Some(Queued),
                     (Running, RunInput::ScheduleRetry) => Some(RetryPending),
                     (Running, RunInput::Requeue) => Some(Queued),
                     (Running, RunInput::End(cause)) => Some(cause.final_status()),
                     (
-                        Queued | RetryPending | WaitingForQuestion | WaitingForApproval | WaitingForConnection,
+                        Queued | RetryPending | WaitingForQuestion | WaitingForApproval
+                        | WaitingForConnection,
                         RunInput::End(
                             cause @ (EndCause::Cancelled
                             | EndCause::Interrupted
@@ -287,18 +279,6 @@ mod tests {
                     }
                     Err(refused) => proptest::prop_assert_eq!(refused.from, status),
                 }
-            }
-        }
-    }
-
-    #[test]
-    fn only_parked_runs_end_without_a_worker() {
-        for status in RunStatus::ALL {
-            let result = end_parked(*status, EndCause::Cancelled);
-            if status.is_parked() {
-                assert_eq!(result, Ok(RunStatus::Cancelled));
-            } else {
-                assert!(result.is_err(), "{status}");
             }
         }
     }

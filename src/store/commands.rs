@@ -5,9 +5,9 @@ use sea_orm::{ActiveModelTrait, ActiveValue::Set, ColumnTrait, EntityTrait, Quer
 use uuid::Uuid;
 
 use super::entities::{conversation, message, part, run};
-use super::{Error, Result, Store, is_unique_violation, reads};
+use super::{Error, Result, Store, is_unique_violation, reads, runs};
 use crate::domain::event::NewEvent;
-use crate::domain::run::{EndCause, RunStatus, end_parked};
+use crate::domain::run::{EndCause, RunStatus};
 use crate::domain::time::now_millis;
 use crate::domain::{ActiveRunStrategy, MessageRole, PartKind, PartState};
 
@@ -80,6 +80,7 @@ pub async fn send_message(
     }
 
     let mut events = Vec::new();
+    let mut interrupted = Vec::new();
     let active = reads::unended_runs(&*tx, &actor.tenant, conversation.id).await?;
     match new.on_active_run {
         ActiveRunStrategy::Queue => {}
@@ -90,8 +91,13 @@ pub async fn send_message(
         }
         ActiveRunStrategy::Reject => {}
         ActiveRunStrategy::Interrupt => {
+            // Ended here and now, also a running one: its epoch moves on, so
+            // its worker's next commit is fenced and it stops.
             for row in active {
-                events.extend(end_run(&tx, row, EndCause::Interrupted).await?);
+                if reads::run_status(&row)? == RunStatus::Running {
+                    interrupted.push(row.id);
+                }
+                events.extend(runs::end(&tx, row, EndCause::Interrupted, None).await?);
             }
         }
     }
@@ -129,6 +135,8 @@ pub async fn send_message(
         data: Set(None),
         created_at: Set(now),
         updated_at: Set(now),
+        run_id: Set(None),
+        abandoned: Set(false),
     }
     .insert(&*tx)
     .await?;
@@ -157,6 +165,8 @@ pub async fn send_message(
         lease_epoch: Set(0),
         lease_expires_at: Set(None),
         recoveries: Set(0),
+        active_ms: Set(0),
+        claimed_at: Set(None),
     }
     .insert(&*tx)
     .await?;
@@ -169,11 +179,15 @@ pub async fn send_message(
     events.extend(NewEvent::run_status(run_id, RunStatus::Queued));
     tx.append(&conversation, events).await?;
     store.commit(tx).await?;
+    for run_id in interrupted {
+        store.bus().request_cancel(run_id);
+    }
     Ok((message, run))
 }
 
-/// Cancels a run no worker holds, in this transaction; returns an ended run
-/// unchanged.
+/// Cancels a run: one no worker holds ends in this transaction; a running one
+/// is marked `cancelRequested` and its worker is told; an ended run is
+/// returned unchanged.
 pub async fn cancel_run(store: &Store, actor: &Actor, run_id: Uuid) -> Result<run::Model> {
     let Some(found) = reads::run(store.db(), &actor.tenant, run_id).await? else {
         return Err(Error::NotFound);
@@ -191,29 +205,20 @@ pub async fn cancel_run(store: &Store, actor: &Actor, run_id: Uuid) -> Result<ru
     if status.is_ended() {
         return Ok(row);
     }
-    if !status.is_parked() {
-        return Err(Error::Conflict(format!(
-            "a {status} run cannot be cancelled yet"
-        )));
+    if status == RunStatus::Running {
+        if !row.cancel_requested {
+            let mut active: run::ActiveModel = row.into();
+            active.cancel_requested = Set(true);
+            active.update(&*tx).await?;
+            store.commit(tx).await?;
+        }
+        store.bus().request_cancel(run_id);
+    } else {
+        let events = runs::end(&tx, row, EndCause::Cancelled, None).await?;
+        tx.append(&conversation, events).await?;
+        store.commit(tx).await?;
     }
-    let events = end_run(&tx, row, EndCause::Cancelled).await?;
-    tx.append(&conversation, events).await?;
-    store.commit(tx).await?;
     reads::run(store.db(), &actor.tenant, run_id)
         .await?
         .ok_or(Error::NotFound)
-}
-
-/// Ends a run that no worker holds, returning the events that report it.
-async fn end_run(tx: &super::WriteTx, row: run::Model, cause: EndCause) -> Result<Vec<NewEvent>> {
-    let from = reads::run_status(&row)?;
-    let to = end_parked(from, cause).map_err(|e| Error::Conflict(e.to_string()))?;
-    let run_id = row.id;
-    let mut active: run::ActiveModel = row.into();
-    active.status = Set(to.as_str().to_owned());
-    active.end_cause = Set(Some(cause.as_str().to_owned()));
-    active.ended_at = Set(Some(now_millis()));
-    active.next_attempt_at = Set(None);
-    active.update(&**tx).await?;
-    Ok(NewEvent::run_status(run_id, to).into_iter().collect())
 }

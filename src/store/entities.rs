@@ -63,6 +63,11 @@ pub mod part {
         pub data: Option<Json>,
         pub created_at: i64,
         pub updated_at: i64,
+        /// The run that wrote the part; `None` for a user's message.
+        pub run_id: Option<Uuid>,
+        /// Text of an attempt that was cut off: shown, never sent to the
+        /// model again.
+        pub abandoned: bool,
     }
 
     #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]
@@ -103,6 +108,10 @@ pub mod run {
         pub lease_epoch: i64,
         pub lease_expires_at: Option<i64>,
         pub recoveries: i32,
+        /// Milliseconds spent RUNNING before the current claim.
+        pub active_ms: i64,
+        /// When the current claim began.
+        pub claimed_at: Option<i64>,
     }
 
     #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]
@@ -126,6 +135,35 @@ pub mod event {
         pub kind: String,
         pub payload: Json,
         pub created_at: i64,
+    }
+
+    #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]
+    pub enum Relation {}
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
+pub mod run_audit {
+    use sea_orm::entity::prelude::*;
+
+    /// One row per ended run: how it ended and what it used.
+    #[derive(Clone, Debug, PartialEq, DeriveEntityModel)]
+    #[sea_orm(table_name = "run_audit")]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub run_id: Uuid,
+        pub tenant: String,
+        pub conversation_id: Uuid,
+        pub status: String,
+        pub end_cause: String,
+        pub steps: i32,
+        pub input_tokens: i64,
+        pub output_tokens: i64,
+        #[sea_orm(column_type = "Double")]
+        pub cost_usd: f64,
+        pub active_ms: i64,
+        pub recoveries: i32,
+        pub ended_at: i64,
     }
 
     #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]

@@ -3,7 +3,9 @@
 
 pub mod commands;
 pub mod entities;
+pub mod queue;
 pub mod reads;
+pub mod runs;
 
 use std::time::Duration;
 
@@ -31,6 +33,10 @@ pub enum Error {
     NotFound,
     #[error("{0}")]
     Conflict(String),
+    /// The caller's lease was taken over or the run moved on: nothing was
+    /// written, and the caller must stop working on the run.
+    #[error("the lease on this run is no longer held")]
+    Fenced,
     /// A stored value this build cannot read: refuse rather than guess.
     #[error("corrupt stored data: {0}")]
     Corrupt(String),

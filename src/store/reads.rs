@@ -61,12 +61,13 @@ pub async fn conversations<C: ConnectionTrait>(
     Ok((rows, has_more))
 }
 
-/// The last `last` messages before `before` (when given), oldest first.
+/// The last `last` messages (all without it) before `before` (when given),
+/// oldest first.
 pub async fn messages<C: ConnectionTrait>(
     db: &C,
     tenant: &str,
     conversation_id: Uuid,
-    last: u64,
+    last: Option<u64>,
     before: Option<Uuid>,
 ) -> Result<Vec<message::Model>> {
     let mut query = message::Entity::find()

@@ -134,6 +134,8 @@ pub struct Server {
 pub struct ServerOptions {
     pub config: String,
     pub env: Vec<(String, String)>,
+    /// `api` (no workers: runs stay queued) or `all`.
+    pub role: &'static str,
 }
 
 impl Default for ServerOptions {
@@ -141,6 +143,7 @@ impl Default for ServerOptions {
         ServerOptions {
             config: BASE_CONFIG.to_owned(),
             env: Vec::new(),
+            role: "api",
         }
     }
 }
@@ -164,6 +167,7 @@ pub fn tether_command(db: &TestDb, config: &str, dir: &std::path::Path) -> Comma
 }
 
 impl Server {
+    /// The API alone: runs stay queued, as no worker takes them.
     pub async fn start() -> Server {
         Server::start_with(ServerOptions::default()).await
     }
@@ -172,7 +176,7 @@ impl Server {
         let db = TestDb::new().await;
         let mut command = tether_command(&db, &options.config, &db.dir);
         command
-            .arg("serve")
+            .args(["serve", "--role", options.role])
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit());
         for (key, value) in &options.env {

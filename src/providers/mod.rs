@@ -1,0 +1,85 @@
+//! Model providers: a streaming interface and its implementations.
+
+pub mod scripted;
+
+use std::sync::Arc;
+
+use futures_util::stream::BoxStream;
+
+use crate::config::{AgentConfig, ProviderKind};
+use crate::domain::MessageRole;
+
+/// One turn of the history sent to the model, rebuilt from committed facts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Turn {
+    pub role: MessageRole,
+    pub text: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ModelRequest {
+    pub model: String,
+    pub system: Option<String>,
+    pub turns: Vec<Turn>,
+    pub max_tokens: u32,
+}
+
+/// What a model streams back.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ModelEvent {
+    Text(String),
+    Reasoning(String),
+    /// Tokens of this request so far (providers report them at start and end).
+    Usage {
+        input_tokens: i64,
+        output_tokens: i64,
+    },
+    /// The model is done; why, in the provider's words.
+    Finished {
+        stop_reason: String,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ProviderError {
+    #[error("{message}")]
+    Http {
+        status: u16,
+        code: String,
+        message: String,
+    },
+    #[error("network error: {0}")]
+    Network(String),
+    #[error("{0}")]
+    Unavailable(String),
+}
+
+pub type ModelStream = BoxStream<'static, Result<ModelEvent, ProviderError>>;
+
+#[async_trait::async_trait]
+pub trait Provider: Send + Sync {
+    /// Starts a streaming request. Dropping the stream aborts it.
+    async fn stream(&self, request: ModelRequest) -> Result<ModelStream, ProviderError>;
+}
+
+/// The provider an agent is configured with.
+pub fn for_agent(agent: &AgentConfig) -> Arc<dyn Provider> {
+    match agent.provider {
+        ProviderKind::Scripted => Arc::new(scripted::Scripted::new(agent.stream_delay_ms)),
+        ProviderKind::Anthropic | ProviderKind::Openai => Arc::new(Unimplemented(agent.provider)),
+    }
+}
+
+/// Real providers arrive with their issue; until then a run on one fails
+/// with a clear error instead of hanging.
+struct Unimplemented(ProviderKind);
+
+#[async_trait::async_trait]
+impl Provider for Unimplemented {
+    async fn stream(&self, _request: ModelRequest) -> Result<ModelStream, ProviderError> {
+        Err(ProviderError::Unavailable(format!(
+            "the {:?} provider is not available in this build",
+            self.0
+        )))
+    }
+}

@@ -1,0 +1,438 @@
+//! The step engine: executes one claim of a run. Phases, in order: run start
+//! (the first commit of the claim), step start (limits), before inference
+//! (the history from committed facts), inference (streamed, checkpointed),
+//! after inference and step end and run end (one commit for a final step).
+//! Every commit is fenced by the claim's epoch.
+
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use tokio::time::{Instant, sleep_until};
+use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
+
+use super::{failpoints, history};
+use crate::config::{AgentConfig, FileConfig};
+use crate::domain::event::{Event, EventBody, EventKind};
+use crate::domain::run::{EndCause, RunError, Usage};
+use crate::domain::time::now_millis;
+use crate::providers::{self, ModelEvent, ModelRequest, ProviderError};
+use crate::store::entities::run;
+use crate::store::runs::{self, Begun, Ending, Lease, utf16_len};
+use crate::store::{self, Store};
+
+/// Why a worker stops a run it holds before the model is done.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stop {
+    /// `cancelRun`: end it `CANCELLED` with what was streamed.
+    Cancelled,
+    /// The lease was taken over: stop without writing.
+    LeaseLost,
+    /// The process is shutting down: give the run back to the queue.
+    Shutdown,
+}
+
+/// How the rest of the process reaches a running execution.
+#[derive(Default)]
+pub struct Control {
+    token: CancellationToken,
+    reason: Mutex<Option<Stop>>,
+}
+
+impl Control {
+    /// Asks the execution to stop; the first reason given wins.
+    pub fn stop(&self, reason: Stop) {
+        let mut current = self.reason.lock().unwrap_or_else(PoisonError::into_inner);
+        current.get_or_insert(reason);
+        self.token.cancel();
+    }
+
+    fn reason(&self) -> Option<Stop> {
+        *self.reason.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// How an inference ended.
+enum Inference {
+    Done,
+    Stopped(Stop),
+    TimedOut,
+    Failed(ProviderError),
+}
+
+pub async fn execute(
+    store: Store,
+    config: Arc<FileConfig>,
+    claimed: run::Model,
+    control: Arc<Control>,
+) {
+    let lease = Lease::of(&claimed);
+    let span = tracing::info_span!(
+        "run",
+        run_id = %lease.run_id,
+        conversation_id = %lease.conversation_id,
+        epoch = lease.epoch
+    );
+    match drive(&store, &config, &lease, &control)
+        .instrument(span.clone())
+        .await
+    {
+        Ok(()) => {}
+        Err(store::Error::Fenced) => {
+            span.in_scope(|| tracing::info!("the lease moved on; stopped without writing"));
+        }
+        Err(err) => {
+            // The lease runs out and the run is recovered from what was
+            // committed.
+            span.in_scope(|| tracing::error!(error = %err, "run execution failed"));
+        }
+    }
+}
+
+async fn drive(
+    store: &Store,
+    config: &FileConfig,
+    lease: &Lease,
+    control: &Control,
+) -> store::Result<()> {
+    failpoints::hit("after_claim");
+    // Run start.
+    let begun = runs::begin(store, lease).await?;
+    failpoints::hit("after_begin");
+    let run = &begun.run;
+    let Some(agent) = config.agent(&run.agent) else {
+        let error = run_error(
+            EndCause::Error,
+            format!("agent {:?} is not configured", run.agent),
+        );
+        return end(
+            store,
+            lease,
+            &begun,
+            "",
+            EndCause::Error,
+            Some(error),
+            usage_of(run),
+            run.steps,
+        )
+        .await;
+    };
+    if run.cancel_requested || control.reason() == Some(Stop::Cancelled) {
+        return end(
+            store,
+            lease,
+            &begun,
+            "",
+            EndCause::Cancelled,
+            None,
+            usage_of(run),
+            run.steps,
+        )
+        .await;
+    }
+
+    // Step start: limits.
+    let limits = &agent.limits;
+    let remaining_ms = (limits.timeout_secs as i64 * 1000 - run.active_ms).max(0);
+    if remaining_ms == 0 {
+        let error = run_error(EndCause::Timeout, "the run used up its time".into());
+        return end(
+            store,
+            lease,
+            &begun,
+            "",
+            EndCause::Timeout,
+            Some(error),
+            usage_of(run),
+            run.steps,
+        )
+        .await;
+    }
+    if run.steps >= limits.max_steps as i32 {
+        let error = run_error(
+            EndCause::StepLimit,
+            format!("the run reached {} steps", limits.max_steps),
+        );
+        return end(
+            store,
+            lease,
+            &begun,
+            "",
+            EndCause::StepLimit,
+            Some(error),
+            usage_of(run),
+            run.steps,
+        )
+        .await;
+    }
+    let deadline = Instant::now() + Duration::from_millis(remaining_ms as u64);
+
+    // Before inference: the history, from committed facts only.
+    let request = ModelRequest {
+        model: agent.model_name().to_owned(),
+        system: agent.system.clone(),
+        turns: history::turns(store, run).await?,
+        max_tokens: agent.max_tokens,
+    };
+
+    // Inference.
+    let mut stream_state = Streamed::new(&begun);
+    let inference = infer(
+        store,
+        lease,
+        &begun.part,
+        config,
+        agent,
+        request,
+        &mut stream_state,
+        control,
+        deadline,
+    )
+    .await?;
+    let steps = run.steps + 1;
+    let usage = stream_state.usage(agent, run);
+    let text = stream_state.text;
+    match inference {
+        Inference::Done => {
+            end(
+                store,
+                lease,
+                &begun,
+                &text,
+                EndCause::Natural,
+                None,
+                usage,
+                steps,
+            )
+            .await
+        }
+        Inference::TimedOut => {
+            let error = run_error(EndCause::Timeout, "the run used up its time".into());
+            end(
+                store,
+                lease,
+                &begun,
+                &text,
+                EndCause::Timeout,
+                Some(error),
+                usage,
+                steps,
+            )
+            .await
+        }
+        Inference::Failed(err) => {
+            let error = provider_error(&err);
+            end(
+                store,
+                lease,
+                &begun,
+                &text,
+                EndCause::Error,
+                Some(error),
+                usage,
+                steps,
+            )
+            .await
+        }
+        Inference::Stopped(Stop::Cancelled) => {
+            end(
+                store,
+                lease,
+                &begun,
+                &text,
+                EndCause::Cancelled,
+                None,
+                usage,
+                run.steps,
+            )
+            .await
+        }
+        Inference::Stopped(Stop::Shutdown) => runs::release(store, lease, &begun.part, &text).await,
+        Inference::Stopped(Stop::LeaseLost) => Err(store::Error::Fenced),
+    }
+}
+
+/// What has streamed into the open part.
+struct Streamed {
+    text: String,
+    persisted: usize,
+    cursor: crate::domain::cursor::Cursor,
+    input_tokens: i64,
+    output_tokens: i64,
+}
+
+impl Streamed {
+    fn new(begun: &Begun) -> Streamed {
+        Streamed {
+            text: String::new(),
+            persisted: 0,
+            cursor: begun.cursor,
+            input_tokens: 0,
+            output_tokens: 0,
+        }
+    }
+
+    /// The run's usage with this inference added.
+    fn usage(&self, agent: &AgentConfig, run: &run::Model) -> Usage {
+        let input = run.input_tokens + self.input_tokens;
+        let output = run.output_tokens + self.output_tokens;
+        let cost = agent.price.as_ref().map_or(0.0, |p| {
+            (input as f64 * p.input_per_mtok + output as f64 * p.output_per_mtok) / 1_000_000.0
+        });
+        Usage {
+            input_tokens: input,
+            output_tokens: output,
+            cost_usd: cost,
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn infer(
+    store: &Store,
+    lease: &Lease,
+    part: &runs::OpenPart,
+    config: &FileConfig,
+    agent: &AgentConfig,
+    request: ModelRequest,
+    state: &mut Streamed,
+    control: &Control,
+    deadline: Instant,
+) -> store::Result<Inference> {
+    let provider = providers::for_agent(agent);
+    let checkpoint_every = Duration::from_millis(config.runtime.checkpoint_ms);
+    let mut stream = tokio::select! {
+        started = provider.stream(request) => match started {
+            Ok(stream) => stream,
+            Err(err) => return Ok(Inference::Failed(err)),
+        },
+        () = control.token.cancelled() => return Ok(stopped(control)),
+        () = sleep_until(deadline) => return Ok(Inference::TimedOut),
+    };
+    let mut next_checkpoint: Option<Instant> = None;
+    loop {
+        let checkpoint_due = async {
+            match next_checkpoint {
+                Some(at) => sleep_until(at).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            biased;
+            () = control.token.cancelled() => return Ok(stopped(control)),
+            () = sleep_until(deadline) => return Ok(Inference::TimedOut),
+            () = checkpoint_due => {
+                state.cursor = runs::checkpoint(store, lease, part, &state.text).await?;
+                state.persisted = state.text.len();
+                next_checkpoint = None;
+                failpoints::hit("after_checkpoint");
+            }
+            item = stream.next() => match item {
+                Some(Ok(ModelEvent::Text(chunk))) => {
+                    if chunk.is_empty() {
+                        continue;
+                    }
+                    publish_delta(store, lease, part, state, &chunk);
+                    state.text.push_str(&chunk);
+                    next_checkpoint.get_or_insert_with(|| Instant::now() + checkpoint_every);
+                }
+                Some(Ok(ModelEvent::Reasoning(_))) => {}
+                Some(Ok(ModelEvent::Usage { input_tokens, output_tokens })) => {
+                    state.input_tokens = input_tokens;
+                    state.output_tokens = output_tokens;
+                }
+                Some(Ok(ModelEvent::Finished { .. })) | None => return Ok(Inference::Done),
+                Some(Err(err)) => return Ok(Inference::Failed(err)),
+            },
+        }
+    }
+}
+
+fn stopped(control: &Control) -> Inference {
+    Inference::Stopped(control.reason().unwrap_or(Stop::Cancelled))
+}
+
+/// A live, unpersisted delta; it carries the newest persisted cursor.
+fn publish_delta(
+    store: &Store,
+    lease: &Lease,
+    part: &runs::OpenPart,
+    state: &Streamed,
+    chunk: &str,
+) {
+    let event = Event {
+        conversation_id: lease.conversation_id,
+        cursor: state.cursor,
+        kind: EventKind::PartDelta,
+        run_id: Some(lease.run_id),
+        at: now_millis(),
+        body: EventBody::Delta {
+            message_id: part.message_id,
+            part_id: part.id,
+            offset: utf16_len(&state.text),
+            text: chunk.to_owned(),
+        },
+    };
+    store.bus().publish(&[event]);
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn end(
+    store: &Store,
+    lease: &Lease,
+    begun: &Begun,
+    text: &str,
+    cause: EndCause,
+    error: Option<RunError>,
+    usage: Usage,
+    steps: i32,
+) -> store::Result<()> {
+    let ending = Ending {
+        cause,
+        error,
+        usage,
+        steps,
+    };
+    runs::finish(store, lease, &begun.part, text, ending).await?;
+    failpoints::hit("after_finish");
+    Ok(())
+}
+
+fn usage_of(run: &run::Model) -> Usage {
+    Usage {
+        input_tokens: run.input_tokens,
+        output_tokens: run.output_tokens,
+        cost_usd: run.cost_usd,
+    }
+}
+
+fn run_error(cause: EndCause, message: String) -> RunError {
+    RunError {
+        code: cause.as_str().to_owned(),
+        message,
+        http_status: None,
+        retryable: false,
+    }
+}
+
+fn provider_error(err: &ProviderError) -> RunError {
+    match err {
+        ProviderError::Http {
+            status,
+            code,
+            message,
+        } => RunError {
+            code: code.clone(),
+            message: message.clone(),
+            http_status: Some(i32::from(*status)),
+            retryable: false,
+        },
+        other => RunError {
+            code: EndCause::Error.as_str().to_owned(),
+            message: other.to_string(),
+            http_status: None,
+            retryable: false,
+        },
+    }
+}

@@ -1,0 +1,179 @@
+//! Workers: claim queued runs, hold them under heartbeats, recover runs
+//! whose worker died, and stop cleanly on shutdown.
+
+pub mod engine;
+pub mod failpoints;
+pub mod history;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use tokio::sync::{Notify, Semaphore};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+use crate::config::FileConfig;
+use crate::store::Store;
+use crate::store::entities::run;
+use crate::store::queue::{self, Heartbeat, Reclaim};
+use crate::store::runs::Lease;
+use engine::{Control, Stop};
+
+pub struct RuntimeOptions {
+    /// Names this process's leases; a restart with the same id reclaims them
+    /// at once.
+    pub instance_id: String,
+    /// The database belongs to this process alone (embedded SQLite): every
+    /// lease left over at start-up is reclaimed at once.
+    pub sole_owner: bool,
+}
+
+/// The workers of one process.
+pub struct Runtime {
+    shutdown: CancellationToken,
+    task: tokio::task::JoinHandle<()>,
+}
+
+type Registry = Arc<Mutex<HashMap<Uuid, Arc<Control>>>>;
+
+impl Runtime {
+    pub fn start(store: Store, config: Arc<FileConfig>, options: RuntimeOptions) -> Runtime {
+        let shutdown = CancellationToken::new();
+        let task = tokio::spawn(dispatch(store, config, options, shutdown.clone()));
+        Runtime { shutdown, task }
+    }
+
+    /// Stops claiming, asks running executions to give their runs back at
+    /// their next commit point, and waits for them (within the grace period).
+    pub async fn shutdown(self) {
+        self.shutdown.cancel();
+        let _ = self.task.await;
+    }
+}
+
+async fn dispatch(
+    store: Store,
+    config: Arc<FileConfig>,
+    options: RuntimeOptions,
+    shutdown: CancellationToken,
+) {
+    let rt = &config.runtime;
+    let budget = rt.crash_retry_budget;
+    let lease_ms = (rt.lease_secs * 1000.0) as i64;
+    let startup = if options.sole_owner {
+        Reclaim::All
+    } else {
+        Reclaim::OwnedBy(&options.instance_id)
+    };
+    match queue::reclaim(&store, startup, budget).await {
+        Ok(0) => {}
+        Ok(n) => tracing::info!(runs = n, "recovered runs left by an earlier process"),
+        Err(err) => tracing::error!(error = %err, "start-up recovery failed"),
+    }
+
+    let registry: Registry = Arc::default();
+    let slots = Arc::new(Semaphore::new(rt.concurrency));
+    let freed = Arc::new(Notify::new());
+    let mut tasks = JoinSet::new();
+    let mut cancels = store.bus().cancel_requests();
+    let poll = Duration::from_millis(rt.poll_ms);
+    let mut reap = tokio::time::interval(Duration::from_millis((lease_ms / 2).max(100) as u64));
+    reap.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+
+    loop {
+        // Claim while there are free slots and runs to claim.
+        while let Ok(permit) = slots.clone().try_acquire_owned() {
+            match queue::claim(&store, &options.instance_id, lease_ms).await {
+                Ok(Some(claimed)) => {
+                    let control = Arc::new(Control::default());
+                    lock(&registry).insert(claimed.id, control.clone());
+                    let (store, config, registry, freed) = (
+                        store.clone(),
+                        config.clone(),
+                        registry.clone(),
+                        freed.clone(),
+                    );
+                    tasks.spawn(async move {
+                        let run_id = claimed.id;
+                        hold(store, config, claimed, control).await;
+                        lock(&registry).remove(&run_id);
+                        drop(permit);
+                        freed.notify_one();
+                    });
+                }
+                Ok(None) => break,
+                Err(err) => {
+                    tracing::warn!(error = %err, "claiming failed");
+                    break;
+                }
+            }
+        }
+        tokio::select! {
+            () = shutdown.cancelled() => break,
+            () = store.bus().run_queued() => {}
+            () = freed.notified() => {}
+            () = tokio::time::sleep(poll) => {}
+            _ = reap.tick() => {
+                if let Err(err) = queue::reclaim(&store, Reclaim::Expired, budget).await {
+                    tracing::warn!(error = %err, "recovering expired leases failed");
+                }
+            }
+            request = cancels.recv() => {
+                if let Ok(run_id) = request
+                    && let Some(control) = lock(&registry).get(&run_id)
+                {
+                    control.stop(Stop::Cancelled);
+                }
+            }
+            Some(_) = tasks.join_next() => {}
+        }
+    }
+
+    for control in lock(&registry).values() {
+        control.stop(Stop::Shutdown);
+    }
+    let grace = Duration::from_secs_f64(rt.shutdown_grace_secs);
+    let drained =
+        tokio::time::timeout(grace, async { while tasks.join_next().await.is_some() {} }).await;
+    if drained.is_err() {
+        tracing::warn!("runs still in flight after the grace period; their leases will expire");
+        tasks.abort_all();
+    }
+}
+
+fn lock(registry: &Registry) -> std::sync::MutexGuard<'_, HashMap<Uuid, Arc<Control>>> {
+    registry.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Executes a claimed run while a heartbeat renews its lease.
+async fn hold(store: Store, config: Arc<FileConfig>, claimed: run::Model, control: Arc<Control>) {
+    let lease = Lease::of(&claimed);
+    let rt = &config.runtime;
+    let lease_ms = (rt.lease_secs * 1000.0) as i64;
+    let every = Duration::from_secs_f64(rt.heartbeat_secs);
+    let heartbeat = {
+        let (store, control) = (store.clone(), control.clone());
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            tick.tick().await;
+            loop {
+                tick.tick().await;
+                match queue::heartbeat(&store, &lease, lease_ms).await {
+                    Ok(Heartbeat::Renewed {
+                        cancel_requested: true,
+                    }) => control.stop(Stop::Cancelled),
+                    Ok(Heartbeat::Renewed { .. }) => {}
+                    Ok(Heartbeat::Lost) => {
+                        control.stop(Stop::LeaseLost);
+                        return;
+                    }
+                    Err(err) => tracing::warn!(error = %err, "heartbeat failed"),
+                }
+            }
+        })
+    };
+    engine::execute(store, config, claimed, control).await;
+    heartbeat.abort();
+}

@@ -1,0 +1,195 @@
+//! The run queue: claim, lease renewal, and recovery of runs whose worker
+//! is gone. A claim is one statement; every later write of the worker is
+//! fenced by the epoch the claim gave it (see `store::runs`).
+
+use sea_orm::{
+    ColumnTrait, DatabaseBackend, EntityTrait, QueryFilter, QueryOrder, QuerySelect, Statement,
+    Value,
+};
+use uuid::Uuid;
+
+use super::entities::run;
+use super::runs::{self, Lease};
+use super::{Result, Store};
+use crate::domain::event::NewEvent;
+use crate::domain::run::{EndCause, RunError, RunInput, RunStatus, transition};
+use crate::domain::time::now_millis;
+
+/// Claims the oldest run that may run now: queued (or due for a retry), and
+/// not behind an unended older run of its conversation. Returns it with its
+/// new lease. On PostgreSQL concurrent claimers skip each other's rows.
+pub async fn claim(store: &Store, owner: &str, lease_ms: i64) -> Result<Option<run::Model>> {
+    let now = now_millis();
+    let backend = store.backend();
+    let mut n = 0;
+    let mut param = || {
+        n += 1;
+        match backend {
+            DatabaseBackend::Postgres => format!("${n}"),
+            _ => "?".to_owned(),
+        }
+    };
+    let unended = RunStatus::not_ended()
+        .map(|s| format!("'{}'", s.as_str()))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let skip_locked = match backend {
+        DatabaseBackend::Postgres => " FOR UPDATE SKIP LOCKED",
+        _ => "",
+    };
+    let (p_owner, p_expires, p_claimed, p_started, p_due) =
+        (param(), param(), param(), param(), param());
+    let sql = format!(
+        "UPDATE runs SET status = 'RUNNING', lease_owner = {p_owner}, \
+         lease_epoch = lease_epoch + 1, lease_expires_at = {p_expires}, \
+         claimed_at = {p_claimed}, started_at = COALESCE(started_at, {p_started}), \
+         next_attempt_at = NULL \
+         WHERE status IN ('QUEUED', 'RETRY_PENDING') AND id = (\
+           SELECT r.id FROM runs r \
+           WHERE (r.status = 'QUEUED' OR (r.status = 'RETRY_PENDING' AND r.next_attempt_at <= {p_due})) \
+           AND NOT EXISTS (SELECT 1 FROM runs o WHERE o.conversation_id = r.conversation_id \
+                           AND o.id < r.id AND o.status IN ({unended})) \
+           ORDER BY r.id LIMIT 1{skip_locked}) \
+         RETURNING *"
+    );
+    let values: Vec<Value> = vec![
+        owner.into(),
+        (now + lease_ms).into(),
+        now.into(),
+        now.into(),
+        now.into(),
+    ];
+    Ok(run::Entity::find()
+        .from_raw_sql(Statement::from_sql_and_values(backend, sql, values))
+        .one(store.db())
+        .await?)
+}
+
+/// What a heartbeat learned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Heartbeat {
+    Renewed {
+        cancel_requested: bool,
+    },
+    /// Another claim holds the run now, or it ended: stop without writing.
+    Lost,
+}
+
+pub async fn heartbeat(store: &Store, lease: &Lease, lease_ms: i64) -> Result<Heartbeat> {
+    let rows = run::Entity::update_many()
+        .col_expr(
+            run::Column::LeaseExpiresAt,
+            sea_orm::sea_query::Expr::value(now_millis() + lease_ms),
+        )
+        .filter(run::Column::Id.eq(lease.run_id))
+        .filter(run::Column::LeaseEpoch.eq(lease.epoch))
+        .filter(run::Column::Status.eq(RunStatus::Running.as_str()))
+        .exec_with_returning(store.db())
+        .await?;
+    Ok(match rows.first() {
+        Some(row) => Heartbeat::Renewed {
+            cancel_requested: row.cancel_requested,
+        },
+        None => Heartbeat::Lost,
+    })
+}
+
+/// Which running runs to recover.
+#[derive(Debug, Clone, Copy)]
+pub enum Reclaim<'a> {
+    /// Leases that ran out.
+    Expired,
+    /// Every running run: an embedded SQLite server owns its database alone,
+    /// so at start-up nobody else can hold one.
+    All,
+    /// Runs an earlier process with this instance id held.
+    OwnedBy(&'a str),
+}
+
+/// Re-queues running runs whose worker is gone, counting each against the
+/// crash retry budget; a run over budget ends `FAILED` with
+/// `RECOVERY_LIMIT`. Returns how many runs were recovered or ended.
+pub async fn reclaim(store: &Store, which: Reclaim<'_>, budget: u32) -> Result<usize> {
+    let now = now_millis();
+    let mut query = run::Entity::find()
+        .filter(run::Column::Status.eq(RunStatus::Running.as_str()))
+        .order_by_asc(run::Column::Id)
+        .limit(200);
+    query = match which {
+        Reclaim::Expired => query.filter(run::Column::LeaseExpiresAt.lt(now)),
+        Reclaim::All => query,
+        Reclaim::OwnedBy(owner) => query.filter(run::Column::LeaseOwner.eq(owner)),
+    };
+    let stale = query.all(store.db()).await?;
+    let mut count = 0;
+    for row in stale {
+        if recover(store, row, budget).await? {
+            count += 1;
+        }
+    }
+    Ok(count)
+}
+
+/// Recovers one run if it still holds the lease we saw; false if it moved.
+async fn recover(store: &Store, seen: run::Model, budget: u32) -> Result<bool> {
+    let mut tx = store.begin_write().await?;
+    let conversation = tx
+        .lock_conversation(seen.conversation_id, &seen.tenant)
+        .await?;
+    let Some(row) = run::Entity::find_by_id(seen.id)
+        .filter(run::Column::LeaseEpoch.eq(seen.lease_epoch))
+        .filter(run::Column::Status.eq(RunStatus::Running.as_str()))
+        .lock_exclusive()
+        .one(&*tx)
+        .await?
+    else {
+        return Ok(false);
+    };
+    let now = now_millis();
+    let held_until = row.lease_expires_at.unwrap_or(now).min(now);
+    let active_ms = row.active_ms + (held_until - row.claimed_at.unwrap_or(held_until)).max(0);
+    let events = if row.recoveries as u32 >= budget {
+        tracing::warn!(run_id = %row.id, recoveries = row.recoveries, "recovery budget exhausted");
+        let error = RunError {
+            code: EndCause::RecoveryLimit.as_str().to_owned(),
+            message: format!(
+                "the run lost its worker {} times; giving up",
+                row.recoveries + 1
+            ),
+            http_status: None,
+            retryable: false,
+        };
+        let mut ended = row;
+        ended.active_ms = active_ms;
+        runs::end(&tx, ended, EndCause::RecoveryLimit, Some(error)).await?
+    } else {
+        tracing::info!(run_id = %row.id, epoch = row.lease_epoch, "re-queueing a run whose worker is gone");
+        let to = transition(RunStatus::Running, RunInput::Requeue)
+            .map_err(|e| super::Error::Conflict(e.to_string()))?;
+        let mut events = runs::abandon_open_parts(&tx, row.id).await?;
+        let run_id = row.id;
+        let recoveries = row.recoveries + 1;
+        let mut active: run::ActiveModel = row.into();
+        active.status = sea_orm::ActiveValue::Set(to.as_str().to_owned());
+        active.recoveries = sea_orm::ActiveValue::Set(recoveries);
+        active.active_ms = sea_orm::ActiveValue::Set(active_ms);
+        runs::clear_lease(&mut active);
+        sea_orm::ActiveModelTrait::update(active, &*tx).await?;
+        events.extend(NewEvent::run_status(run_id, to));
+        events
+    };
+    tx.append(&conversation, events).await?;
+    store.commit(tx).await?;
+    Ok(true)
+}
+
+/// Whether this run id is currently held under this epoch (for tests and
+/// diagnostics).
+pub async fn holds(store: &Store, run_id: Uuid, epoch: i64) -> Result<bool> {
+    Ok(run::Entity::find_by_id(run_id)
+        .filter(run::Column::LeaseEpoch.eq(epoch))
+        .filter(run::Column::Status.eq(RunStatus::Running.as_str()))
+        .one(store.db())
+        .await?
+        .is_some())
+}

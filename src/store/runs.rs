@@ -1,0 +1,457 @@
+//! A worker's commits for the run it holds. Each is one transaction that
+//! locks the conversation, checks the lease epoch (the fence), writes, and
+//! appends its events. A worker whose lease was taken over gets
+//! `Error::Fenced` and writes nothing.
+
+use sea_orm::ActiveValue::Set;
+use sea_orm::{ActiveModelTrait, ColumnTrait, EntityTrait, QueryFilter, QueryOrder, QuerySelect};
+use uuid::Uuid;
+
+use super::entities::{message, part, run, run_audit};
+use super::{Error, Result, Store, WriteTx, parse_stored};
+use crate::domain::cursor::Cursor;
+use crate::domain::event::{EventBody, EventKind, NewEvent};
+use crate::domain::run::{EndCause, RunError, RunInput, RunStatus, Usage, transition};
+use crate::domain::time::now_millis;
+use crate::domain::{MessageRole, PartKind, PartState};
+
+/// The right to write for one claim of a run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lease {
+    pub run_id: Uuid,
+    pub conversation_id: Uuid,
+    pub tenant: String,
+    pub epoch: i64,
+}
+
+impl Lease {
+    pub fn of(row: &run::Model) -> Lease {
+        Lease {
+            run_id: row.id,
+            conversation_id: row.conversation_id,
+            tenant: row.tenant.clone(),
+            epoch: row.lease_epoch,
+        }
+    }
+}
+
+/// A part the worker streams into.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OpenPart {
+    pub id: Uuid,
+    pub message_id: Uuid,
+    pub index: i32,
+}
+
+/// What the worker knows after its first commit of a claim.
+#[derive(Debug, Clone)]
+pub struct Begun {
+    pub run: run::Model,
+    pub part: OpenPart,
+    /// The newest persisted cursor, for live deltas that follow it.
+    pub cursor: Cursor,
+}
+
+/// How a run ends, with what it used.
+#[derive(Debug, Clone)]
+pub struct Ending {
+    pub cause: EndCause,
+    pub error: Option<RunError>,
+    pub usage: Usage,
+    pub steps: i32,
+}
+
+/// Text length as clients count it: UTF-16 code units.
+pub fn utf16_len(text: &str) -> i64 {
+    text.encode_utf16().count() as i64
+}
+
+async fn open(
+    store: &Store,
+    lease: &Lease,
+) -> Result<(WriteTx, super::entities::conversation::Model, run::Model)> {
+    let tx = store.begin_write().await?;
+    let conversation = tx
+        .lock_conversation(lease.conversation_id, &lease.tenant)
+        .await?;
+    let row = run::Entity::find_by_id(lease.run_id)
+        .filter(run::Column::LeaseEpoch.eq(lease.epoch))
+        .filter(run::Column::Status.eq(RunStatus::Running.as_str()))
+        .lock_exclusive()
+        .one(&*tx)
+        .await?
+        .ok_or(Error::Fenced)?;
+    Ok((tx, conversation, row))
+}
+
+/// The first commit of a claim: closes what a cut-off attempt left open
+/// (its text stays visible, `DONE`, followed by a `NOTICE`), makes sure the
+/// run has its assistant message, opens a text part, and says `run.started`.
+pub async fn begin(store: &Store, lease: &Lease) -> Result<Begun> {
+    let (mut tx, conversation, row) = open(store, lease).await?;
+    let mut events = abandon_open_parts(&tx, row.id).await?;
+    let now = now_millis();
+    let message_id = match message::Entity::find()
+        .filter(message::Column::RunId.eq(row.id))
+        .filter(message::Column::Role.eq(MessageRole::Assistant.as_str()))
+        .one(&*tx)
+        .await?
+    {
+        Some(existing) => existing.id,
+        None => {
+            let id = Uuid::now_v7();
+            message::ActiveModel {
+                id: Set(id),
+                conversation_id: Set(row.conversation_id),
+                tenant: Set(row.tenant.clone()),
+                role: Set(MessageRole::Assistant.as_str().to_owned()),
+                run_id: Set(Some(row.id)),
+                client_message_id: Set(None),
+                created_at: Set(now),
+            }
+            .insert(&*tx)
+            .await?;
+            events.push(NewEvent::message_created(
+                id,
+                MessageRole::Assistant,
+                Some(row.id),
+            ));
+            id
+        }
+    };
+    let part = add_part(
+        &tx,
+        &row,
+        message_id,
+        PartKind::Text,
+        PartState::Streaming,
+        "",
+    )
+    .await?;
+    events.push(part_event(EventKind::PartAdded, &row, &part, Some(0))?);
+    events.extend(NewEvent::run_status(row.id, RunStatus::Running));
+    tx.append(&conversation, events).await?;
+    let committed = store.commit(tx).await?;
+    let cursor = committed.last().map_or(Cursor::START, |e| e.cursor);
+    Ok(Begun {
+        run: row,
+        part: OpenPart {
+            id: part.id,
+            message_id,
+            index: part.idx,
+        },
+        cursor,
+    })
+}
+
+/// Persists the streamed text so far, with `part.updated`.
+pub async fn checkpoint(
+    store: &Store,
+    lease: &Lease,
+    part: &OpenPart,
+    text: &str,
+) -> Result<Cursor> {
+    let (mut tx, conversation, row) = open(store, lease).await?;
+    let saved = update_part(&tx, part.id, text, PartState::Streaming).await?;
+    tx.append(
+        &conversation,
+        vec![part_event(
+            EventKind::PartUpdated,
+            &row,
+            &saved,
+            Some(utf16_len(text)),
+        )?],
+    )
+    .await?;
+    let committed = store.commit(tx).await?;
+    Ok(committed.last().map_or(Cursor::START, |e| e.cursor))
+}
+
+/// The last commit of a run: the part's final text, the step's checkpoint,
+/// usage, the final status and the audit row, in one transaction.
+pub async fn finish(
+    store: &Store,
+    lease: &Lease,
+    part: &OpenPart,
+    text: &str,
+    ending: Ending,
+) -> Result<()> {
+    let (mut tx, conversation, mut row) = open(store, lease).await?;
+    let saved = update_part(&tx, part.id, text, PartState::Done).await?;
+    let mut events = vec![part_event(
+        EventKind::PartUpdated,
+        &row,
+        &saved,
+        Some(utf16_len(text)),
+    )?];
+    events.push(NewEvent {
+        kind: EventKind::RunCheckpointed,
+        run_id: Some(row.id),
+        body: EventBody::Run {
+            status: RunStatus::Running,
+        },
+    });
+    let usage_changed = ending.usage.input_tokens != row.input_tokens
+        || ending.usage.output_tokens != row.output_tokens;
+    row.steps = ending.steps;
+    row.input_tokens = ending.usage.input_tokens;
+    row.output_tokens = ending.usage.output_tokens;
+    row.cost_usd = ending.usage.cost_usd;
+    if usage_changed {
+        events.push(NewEvent {
+            kind: EventKind::UsageUpdated,
+            run_id: Some(row.id),
+            body: EventBody::Usage {
+                usage: ending.usage,
+            },
+        });
+    }
+    events.extend(end(&tx, row, ending.cause, ending.error).await?);
+    tx.append(&conversation, events).await?;
+    store.commit(tx).await?;
+    Ok(())
+}
+
+/// Gives the run back to the queue (shutdown): the streamed text is kept,
+/// closed as an abandoned attempt, and another worker starts the step again.
+pub async fn release(store: &Store, lease: &Lease, part: &OpenPart, text: &str) -> Result<()> {
+    let (mut tx, conversation, row) = open(store, lease).await?;
+    update_part(&tx, part.id, text, PartState::Streaming).await?;
+    let mut events = abandon_open_parts(&tx, row.id).await?;
+    let to = transition(RunStatus::Running, RunInput::Requeue)
+        .map_err(|e| Error::Conflict(e.to_string()))?;
+    let now = now_millis();
+    let run_id = row.id;
+    let active_ms = row.active_ms + (now - row.claimed_at.unwrap_or(now)).max(0);
+    let mut active: run::ActiveModel = row.into();
+    active.status = Set(to.as_str().to_owned());
+    active.active_ms = Set(active_ms);
+    clear_lease(&mut active);
+    active.update(&*tx).await?;
+    events.extend(NewEvent::run_status(run_id, to));
+    tx.append(&conversation, events).await?;
+    store.commit(tx).await?;
+    Ok(())
+}
+
+/// Ends a run inside `tx`: status by cause, the run's open parts closed, the
+/// audit row, and the final event. Used by workers and by the API alike.
+pub async fn end(
+    tx: &WriteTx,
+    row: run::Model,
+    cause: EndCause,
+    error: Option<RunError>,
+) -> Result<Vec<NewEvent>> {
+    let from: RunStatus = parse_stored(&row.status, "run status")?;
+    let to = transition(from, RunInput::End(cause)).map_err(|e| Error::Conflict(e.to_string()))?;
+    let mut events = close_open_parts(tx, row.id).await?;
+    let now = now_millis();
+    let active_ms = if from == RunStatus::Running {
+        row.active_ms + (now - row.claimed_at.unwrap_or(now)).max(0)
+    } else {
+        row.active_ms
+    };
+    run_audit::ActiveModel {
+        run_id: Set(row.id),
+        tenant: Set(row.tenant.clone()),
+        conversation_id: Set(row.conversation_id),
+        status: Set(to.as_str().to_owned()),
+        end_cause: Set(cause.as_str().to_owned()),
+        steps: Set(row.steps),
+        input_tokens: Set(row.input_tokens),
+        output_tokens: Set(row.output_tokens),
+        cost_usd: Set(row.cost_usd),
+        active_ms: Set(active_ms),
+        recoveries: Set(row.recoveries),
+        ended_at: Set(now),
+    }
+    .insert(&**tx)
+    .await?;
+    let run_id = row.id;
+    let error = match error {
+        Some(error) => {
+            Some(serde_json::to_value(&error).map_err(|e| Error::Corrupt(e.to_string()))?)
+        }
+        None => None,
+    };
+    let mut active: run::ActiveModel = row.clone().into();
+    // Everything the caller changed on the row is written too.
+    active.steps = Set(row.steps);
+    active.input_tokens = Set(row.input_tokens);
+    active.output_tokens = Set(row.output_tokens);
+    active.cost_usd = Set(row.cost_usd);
+    active.status = Set(to.as_str().to_owned());
+    active.end_cause = Set(Some(cause.as_str().to_owned()));
+    active.error = Set(error);
+    active.ended_at = Set(Some(now));
+    active.next_attempt_at = Set(None);
+    active.active_ms = Set(active_ms);
+    clear_lease(&mut active);
+    active.update(&**tx).await?;
+    events.extend(NewEvent::run_status(run_id, to));
+    Ok(events)
+}
+
+/// No worker holds the run any more; the epoch moves on so a late writer of
+/// the last claim is fenced.
+pub(crate) fn clear_lease(active: &mut run::ActiveModel) {
+    let epoch = match &active.lease_epoch {
+        sea_orm::ActiveValue::Set(v) | sea_orm::ActiveValue::Unchanged(v) => *v,
+        sea_orm::ActiveValue::NotSet => 0,
+    };
+    active.lease_epoch = Set(epoch + 1);
+    active.lease_owner = Set(None);
+    active.lease_expires_at = Set(None);
+    active.claimed_at = Set(None);
+}
+
+/// Parts of this run still streaming belong to an attempt that was cut off:
+/// they are closed, marked abandoned (never sent to the model again), and a
+/// `NOTICE` follows them.
+pub(crate) async fn abandon_open_parts(tx: &WriteTx, run_id: Uuid) -> Result<Vec<NewEvent>> {
+    let open = streaming_parts(tx, run_id).await?;
+    let Some(last) = open.last().cloned() else {
+        return Ok(Vec::new());
+    };
+    let mut events = Vec::new();
+    for row in open {
+        let length = row.text.as_deref().map(utf16_len);
+        let mut active: part::ActiveModel = row.into();
+        active.state = Set(PartState::Done.as_str().to_owned());
+        active.abandoned = Set(true);
+        active.updated_at = Set(now_millis());
+        let saved = active.update(&**tx).await?;
+        events.push(part_event_for(
+            EventKind::PartUpdated,
+            run_id,
+            &saved,
+            length,
+        )?);
+    }
+    let run = run::Entity::find_by_id(run_id)
+        .one(&**tx)
+        .await?
+        .ok_or(Error::NotFound)?;
+    let notice = add_part(
+        tx,
+        &run,
+        last.message_id,
+        PartKind::Notice,
+        PartState::Done,
+        "The response above was interrupted and is starting again.",
+    )
+    .await?;
+    events.push(part_event(
+        EventKind::PartAdded,
+        &run,
+        &notice,
+        notice.text.as_deref().map(utf16_len),
+    )?);
+    Ok(events)
+}
+
+/// Closes the run's streaming parts as they are, when it ends.
+async fn close_open_parts(tx: &WriteTx, run_id: Uuid) -> Result<Vec<NewEvent>> {
+    let mut events = Vec::new();
+    for row in streaming_parts(tx, run_id).await? {
+        let length = row.text.as_deref().map(utf16_len);
+        let mut active: part::ActiveModel = row.into();
+        active.state = Set(PartState::Done.as_str().to_owned());
+        active.updated_at = Set(now_millis());
+        let saved = active.update(&**tx).await?;
+        events.push(part_event_for(
+            EventKind::PartUpdated,
+            run_id,
+            &saved,
+            length,
+        )?);
+    }
+    Ok(events)
+}
+
+async fn streaming_parts(tx: &WriteTx, run_id: Uuid) -> Result<Vec<part::Model>> {
+    Ok(part::Entity::find()
+        .filter(part::Column::RunId.eq(run_id))
+        .filter(part::Column::State.eq(PartState::Streaming.as_str()))
+        .order_by_asc(part::Column::MessageId)
+        .order_by_asc(part::Column::Idx)
+        .all(&**tx)
+        .await?)
+}
+
+async fn add_part(
+    tx: &WriteTx,
+    run: &run::Model,
+    message_id: Uuid,
+    kind: PartKind,
+    state: PartState,
+    text: &str,
+) -> Result<part::Model> {
+    let last: Option<part::Model> = part::Entity::find()
+        .filter(part::Column::MessageId.eq(message_id))
+        .order_by_desc(part::Column::Idx)
+        .one(&**tx)
+        .await?;
+    let now = now_millis();
+    Ok(part::ActiveModel {
+        id: Set(Uuid::now_v7()),
+        message_id: Set(message_id),
+        conversation_id: Set(run.conversation_id),
+        tenant: Set(run.tenant.clone()),
+        idx: Set(last.map_or(0, |p| p.idx + 1)),
+        kind: Set(kind.as_str().to_owned()),
+        state: Set(state.as_str().to_owned()),
+        text: Set(Some(text.to_owned())),
+        data: Set(None),
+        created_at: Set(now),
+        updated_at: Set(now),
+        run_id: Set(Some(run.id)),
+        abandoned: Set(false),
+    }
+    .insert(&**tx)
+    .await?)
+}
+
+async fn update_part(
+    tx: &WriteTx,
+    part_id: Uuid,
+    text: &str,
+    state: PartState,
+) -> Result<part::Model> {
+    let row = part::Entity::find_by_id(part_id)
+        .one(&**tx)
+        .await?
+        .ok_or(Error::NotFound)?;
+    let mut active: part::ActiveModel = row.into();
+    active.text = Set(Some(text.to_owned()));
+    active.state = Set(state.as_str().to_owned());
+    active.updated_at = Set(now_millis());
+    Ok(active.update(&**tx).await?)
+}
+
+fn part_event(
+    kind: EventKind,
+    run: &run::Model,
+    part: &part::Model,
+    text_length: Option<i64>,
+) -> Result<NewEvent> {
+    part_event_for(kind, run.id, part, text_length)
+}
+
+fn part_event_for(
+    kind: EventKind,
+    run_id: Uuid,
+    part: &part::Model,
+    text_length: Option<i64>,
+) -> Result<NewEvent> {
+    Ok(NewEvent {
+        kind,
+        run_id: Some(run_id),
+        body: EventBody::Part {
+            message_id: part.message_id,
+            part_id: part.id,
+            kind: parse_stored(&part.kind, "part kind")?,
+            text_length,
+        },
+    })
+}
