@@ -403,6 +403,14 @@ impl FileConfig {
         })
     }
 
+    /// Parses and validates a configuration text, resolving `*_env` keys
+    /// from the process environment.
+    pub fn from_toml(text: &str) -> Result<FileConfig, ConfigError> {
+        let mut file = FileConfig::parse(Path::new("<inline>"), text)?;
+        file.validate(&|name| std::env::var(name).ok())?;
+        Ok(file)
+    }
+
     pub fn agent(&self, name: &str) -> Option<&AgentConfig> {
         self.agents.iter().find(|a| a.name == name)
     }

@@ -6,6 +6,7 @@ mod support;
 mod auth;
 mod conversations;
 mod input_limits;
+mod runs;
 mod schema_drift;
 mod startup;
 mod subscriptions;

@@ -42,6 +42,31 @@ name = "other"
 provider = "scripted"
 "#;
 
+/// A configuration with workers tuned for tests: fast streaming, frequent
+/// checkpoints, short leases.
+pub const WORKER_CONFIG: &str = r#"
+default_agent = "demo"
+
+[runtime]
+lease_secs = 3
+heartbeat_secs = 0.5
+checkpoint_ms = 40
+poll_ms = 200
+
+[[agents]]
+name = "demo"
+provider = "scripted"
+stream_delay_ms = 5
+
+[[agents]]
+name = "brief"
+provider = "scripted"
+stream_delay_ms = 5
+
+[agents.limits]
+timeout_secs = 1
+"#;
+
 /// A database of its own for one test, removed afterwards.
 pub struct TestDb {
     pub url: String,
@@ -126,9 +151,46 @@ pub struct Server {
     pub addr: String,
     http: reqwest::Client,
     auth: Authenticator,
-    // Held for their drops: the process is killed, the database removed.
-    _child: Child,
-    _db: TestDb,
+    // Dropping them kills the process and removes the database.
+    child: Child,
+    db: TestDb,
+    options: ServerOptions,
+    instance: String,
+}
+
+async fn spawn(
+    db: &TestDb,
+    options: &ServerOptions,
+    instance: &str,
+    extra_env: &[(&str, &str)],
+) -> (Child, String) {
+    let mut command = tether_command(db, &options.config, &db.dir);
+    command
+        .args(["serve", "--role", options.role])
+        .env("TETHER_INSTANCE_ID", instance)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit());
+    for (key, value) in &options.env {
+        command.env(key, value);
+    }
+    for (key, value) in extra_env {
+        command.env(key, value);
+    }
+    let mut child = command.spawn().expect("the tether binary starts");
+    let stdout = child.stdout.take().unwrap();
+    let mut lines = BufReader::new(stdout).lines();
+    let line = tokio::time::timeout(Duration::from_secs(60), lines.next_line())
+        .await
+        .expect("tether prints its address within a minute")
+        .unwrap()
+        .expect("tether printed its address before exiting");
+    let base = line
+        .strip_prefix("tether listening on ")
+        .unwrap_or_else(|| panic!("unexpected first line: {line}"))
+        .to_owned();
+    // Keep reading stdout so the child never blocks on a full pipe.
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    (child, base)
 }
 
 pub struct ServerOptions {
@@ -174,37 +236,62 @@ impl Server {
 
     pub async fn start_with(options: ServerOptions) -> Server {
         let db = TestDb::new().await;
-        let mut command = tether_command(&db, &options.config, &db.dir);
-        command
-            .args(["serve", "--role", options.role])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit());
-        for (key, value) in &options.env {
-            command.env(key, value);
-        }
-        let mut child = command.spawn().expect("the tether binary starts");
-        let stdout = child.stdout.take().unwrap();
-        let mut lines = BufReader::new(stdout).lines();
-        let line = tokio::time::timeout(Duration::from_secs(60), lines.next_line())
-            .await
-            .expect("tether prints its address within a minute")
-            .unwrap()
-            .expect("tether printed its address before exiting");
-        let base = line
-            .strip_prefix("tether listening on ")
-            .unwrap_or_else(|| panic!("unexpected first line: {line}"))
-            .to_owned();
-        // Keep reading stdout so the child never blocks on a full pipe.
-        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+        let instance = format!("it-{}", Uuid::now_v7().simple());
+        let (child, base) = spawn(&db, &options, &instance, &[]).await;
         let addr = base.trim_start_matches("http://").to_owned();
         Server {
             base,
             addr,
             http: reqwest::Client::new(),
             auth: Authenticator::new(SECRET).unwrap(),
-            _child: child,
-            _db: db,
+            child,
+            db,
+            options,
+            instance,
         }
+    }
+
+    /// The API with workers, on the given configuration.
+    pub async fn start_workers(config: &str) -> Server {
+        Server::start_with(ServerOptions {
+            config: config.to_owned(),
+            role: "all",
+            ..Default::default()
+        })
+        .await
+    }
+
+    /// Kills the process with SIGKILL and waits for it to be gone.
+    pub async fn kill(&mut self) {
+        self.child.kill().await.unwrap();
+    }
+
+    /// Waits for the process to end by itself (a failpoint, a signal).
+    pub async fn exited(&mut self) -> std::process::ExitStatus {
+        tokio::time::timeout(Duration::from_secs(60), self.child.wait())
+            .await
+            .expect("the process ends in time")
+            .unwrap()
+    }
+
+    /// Sends SIGTERM, as a deployment would.
+    pub fn terminate(&self) {
+        let pid = self.child.id().expect("the process is running");
+        let status = std::process::Command::new("kill")
+            .args(["-TERM", &pid.to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+    }
+
+    /// Starts the binary again on the same database and instance id, with
+    /// `extra_env` on top of the options' environment. The old process must
+    /// be gone.
+    pub async fn restart(&mut self, extra_env: &[(&str, &str)]) {
+        let (child, base) = spawn(&self.db, &self.options, &self.instance, extra_env).await;
+        self.addr = base.trim_start_matches("http://").to_owned();
+        self.base = base;
+        self.child = child;
     }
 
     pub fn token(&self, tenant: &str, sub: &str) -> String {
@@ -291,6 +378,63 @@ impl Server {
                 .unwrap()
                 .to_owned(),
         )
+    }
+
+    /// Polls a run until `done` holds for it; returns the run.
+    pub async fn wait_for_run(
+        &self,
+        token: &str,
+        run: &str,
+        done: impl Fn(&Value) -> bool,
+    ) -> Value {
+        let deadline = tokio::time::Instant::now() + PATIENCE;
+        loop {
+            let data = self
+                .gql(
+                    token,
+                    "query($r: ID!) { run(id: $r) { id status endCause cancelRequested steps error { code message } usage { inputTokens outputTokens costUsd } } }",
+                    json!({ "r": run }),
+                )
+                .await;
+            if done(&data["run"]) {
+                return data["run"].clone();
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "run never reached the condition: {}",
+                data["run"]
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Waits until the run has ended; returns it.
+    pub async fn wait_until_ended(&self, token: &str, run: &str) -> Value {
+        self.wait_for_run(token, run, |r| {
+            matches!(
+                r["status"].as_str(),
+                Some("COMPLETED" | "FAILED" | "CANCELLED")
+            )
+        })
+        .await
+    }
+
+    /// The parts of the assistant message of a run, in order.
+    pub async fn reply_parts(&self, token: &str, conversation: &str, run: &str) -> Vec<Value> {
+        let data = self
+            .gql(
+                token,
+                "query($c: ID!) { conversation(id: $c) { messages { role runId parts { id kind state text } } } }",
+                json!({ "c": conversation }),
+            )
+            .await;
+        data["conversation"]["messages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|m| m["role"] == "ASSISTANT" && m["runId"] == run)
+            .flat_map(|m| m["parts"].as_array().unwrap().clone())
+            .collect()
     }
 
     /// Every persisted event of a conversation, through `events` pages.
