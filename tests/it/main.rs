@@ -5,6 +5,7 @@ mod support;
 
 mod auth;
 mod conversations;
+mod crash;
 mod input_limits;
 mod runs;
 mod schema_drift;
