@@ -11,3 +11,4 @@ mod runs;
 mod schema_drift;
 mod startup;
 mod subscriptions;
+mod workers;

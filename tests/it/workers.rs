@@ -1,0 +1,282 @@
+//! Workers through the library: two engines sharing one database, and the
+//! fence that stops a worker whose lease was taken over.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use sea_orm::{ActiveModelTrait, ActiveValue::Set, EntityTrait};
+use tether::bus::Bus;
+use tether::config::FileConfig;
+use tether::domain::ActiveRunStrategy;
+use tether::domain::event::EventKind;
+use tether::runtime::{Runtime, RuntimeOptions};
+use tether::store::commands::{self, Actor, NewConversation, NewMessage};
+use tether::store::entities::run;
+use tether::store::queue::{self, Reclaim};
+use tether::store::runs::{self, Lease};
+use tether::store::{Error, Store, reads};
+use uuid::Uuid;
+
+use crate::support::{PATIENCE, TestDb};
+
+const FAST: &str = r#"
+[runtime]
+lease_secs = 5
+heartbeat_secs = 1
+poll_ms = 50
+concurrency = 4
+
+[[agents]]
+name = "demo"
+provider = "scripted"
+stream_delay_ms = 0
+"#;
+
+fn actor() -> Actor {
+    Actor {
+        tenant: "acme".into(),
+        principal: "ada".into(),
+    }
+}
+
+async fn store(db: &TestDb) -> Store {
+    let store = Store::connect(&db.url, Bus::new()).await.unwrap();
+    store.migrate().await.unwrap();
+    store
+}
+
+async fn conversation(store: &Store) -> Uuid {
+    commands::create_conversation(
+        store,
+        &actor(),
+        NewConversation {
+            agent: "demo".into(),
+            title: None,
+        },
+    )
+    .await
+    .unwrap()
+    .id
+}
+
+async fn send(store: &Store, conversation_id: Uuid, text: &str) -> run::Model {
+    commands::send_message(
+        store,
+        &actor(),
+        NewMessage {
+            conversation_id,
+            text: text.into(),
+            client_message_id: None,
+            on_active_run: ActiveRunStrategy::Queue,
+            max_attempts: 1,
+        },
+    )
+    .await
+    .unwrap()
+    .1
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_engines_complete_200_runs_each_exactly_once_in_conversation_order() {
+    let db = TestDb::new().await;
+    let config = Arc::new(FileConfig::from_toml(FAST).unwrap());
+    // Two instances: separate connections and separate buses, one database.
+    let (a, b) = (store(&db).await, store(&db).await);
+    let mut conversations = Vec::new();
+    for _ in 0..20 {
+        conversations.push(conversation(&a).await);
+    }
+    let mut runs: HashMap<Uuid, Vec<Uuid>> = HashMap::new();
+    for i in 0..10 {
+        for c in &conversations {
+            let run = send(&a, *c, &format!("message {i}")).await;
+            runs.entry(*c).or_default().push(run.id);
+        }
+    }
+    let engines: Vec<Runtime> = [(&a, "engine-a"), (&b, "engine-b")]
+        .into_iter()
+        .map(|(store, id)| {
+            Runtime::start(
+                store.clone(),
+                config.clone(),
+                RuntimeOptions {
+                    instance_id: id.into(),
+                    sole_owner: false,
+                },
+            )
+        })
+        .collect();
+
+    let deadline = tokio::time::Instant::now() + PATIENCE * 3;
+    for c in &conversations {
+        loop {
+            let unended = reads::unended_runs(a.db(), "acme", *c).await.unwrap();
+            if unended.is_empty() {
+                break;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "runs left: {}",
+                unended.len()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    for engine in engines {
+        engine.shutdown().await;
+    }
+
+    for c in &conversations {
+        let events = reads::events_after(a.db(), "acme", *c, Default::default(), 10_000)
+            .await
+            .unwrap();
+        let position = |kind: EventKind, run: Uuid| -> Vec<usize> {
+            events
+                .iter()
+                .enumerate()
+                .filter(|(_, e)| e.kind == kind && e.run_id == Some(run))
+                .map(|(i, _)| i)
+                .collect()
+        };
+        let ids = &runs[c];
+        for (i, run_id) in ids.iter().enumerate() {
+            let started = position(EventKind::RunStarted, *run_id);
+            let completed = position(EventKind::RunCompleted, *run_id);
+            assert_eq!(started.len(), 1, "claimed once");
+            assert_eq!(completed.len(), 1, "completed once");
+            if i > 0 {
+                let before = position(EventKind::RunCompleted, ids[i - 1])[0];
+                assert!(before < started[0], "conversation order kept");
+            }
+            let row = reads::run(a.db(), "acme", *run_id).await.unwrap().unwrap();
+            assert_eq!(row.status, "COMPLETED");
+        }
+    }
+    assert_eq!(runs.values().map(Vec::len).sum::<usize>(), 200);
+}
+
+#[tokio::test]
+async fn a_worker_whose_lease_was_taken_over_commits_nothing() {
+    let db = TestDb::new().await;
+    let store = store(&db).await;
+    let conversation_id = conversation(&store).await;
+    send(&store, conversation_id, "hello").await;
+
+    let first = queue::claim(&store, "worker-a", 60_000)
+        .await
+        .unwrap()
+        .unwrap();
+    let lease_a = Lease::of(&first);
+    let begun_a = runs::begin(&store, &lease_a).await.unwrap();
+    runs::checkpoint(&store, &lease_a, &begun_a.part, "from a")
+        .await
+        .unwrap();
+
+    // Worker A stalls; its lease runs out and the reaper re-queues the run.
+    let mut expired: run::ActiveModel = run::Entity::find_by_id(first.id)
+        .one(store.db())
+        .await
+        .unwrap()
+        .unwrap()
+        .into();
+    expired.lease_expires_at = Set(Some(0));
+    expired.update(store.db()).await.unwrap();
+    assert_eq!(
+        queue::reclaim(&store, Reclaim::Expired, 3).await.unwrap(),
+        1
+    );
+    let second = queue::claim(&store, "worker-b", 60_000)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(second.id, first.id);
+    assert!(second.lease_epoch > first.lease_epoch);
+    let lease_b = Lease::of(&second);
+    let begun_b = runs::begin(&store, &lease_b).await.unwrap();
+
+    let events_before = reads::events_after(
+        store.db(),
+        "acme",
+        conversation_id,
+        Default::default(),
+        1000,
+    )
+    .await
+    .unwrap();
+    // A wakes up: every commit it tries is refused, and nothing changes.
+    let refused = runs::checkpoint(&store, &lease_a, &begun_a.part, "from a, later").await;
+    assert!(matches!(refused, Err(Error::Fenced)), "{refused:?}");
+    let refused = runs::release(&store, &lease_a, &begun_a.part, "late").await;
+    assert!(matches!(refused, Err(Error::Fenced)), "{refused:?}");
+    assert_eq!(
+        queue::heartbeat(&store, &lease_a, 60_000).await.unwrap(),
+        queue::Heartbeat::Lost
+    );
+    let events_after = reads::events_after(
+        store.db(),
+        "acme",
+        conversation_id,
+        Default::default(),
+        1000,
+    )
+    .await
+    .unwrap();
+    assert_eq!(events_before, events_after);
+    let part_a = reads::part(store.db(), "acme", begun_a.part.id)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(part_a.text.as_deref(), Some("from a"));
+    assert_eq!(part_a.state, "DONE", "closed when B took over");
+
+    // B goes on.
+    runs::checkpoint(&store, &lease_b, &begun_b.part, "from b")
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn a_run_that_keeps_losing_its_worker_ends_with_recovery_limit() {
+    let db = TestDb::new().await;
+    let store = store(&db).await;
+    let conversation_id = conversation(&store).await;
+    let queued = send(&store, conversation_id, "hello").await;
+    let budget = 2;
+    for round in 0..=budget {
+        let claimed = queue::claim(&store, "doomed", 60_000)
+            .await
+            .unwrap()
+            .unwrap();
+        runs::begin(&store, &Lease::of(&claimed)).await.unwrap();
+        // The worker dies: nothing renews its lease.
+        let mut expired: run::ActiveModel = claimed.into();
+        expired.lease_expires_at = Set(Some(0));
+        expired.update(store.db()).await.unwrap();
+        assert_eq!(
+            queue::reclaim(&store, Reclaim::Expired, budget)
+                .await
+                .unwrap(),
+            1
+        );
+        let row = reads::run(store.db(), "acme", queued.id)
+            .await
+            .unwrap()
+            .unwrap();
+        if round < budget {
+            assert_eq!(row.status, "QUEUED", "round {round}");
+            assert_eq!(row.recoveries, round as i32 + 1);
+        } else {
+            assert_eq!(row.status, "FAILED");
+            assert_eq!(row.end_cause.as_deref(), Some("RECOVERY_LIMIT"));
+            let error = row.error.unwrap();
+            assert_eq!(error["code"], "RECOVERY_LIMIT");
+        }
+    }
+    assert!(
+        queue::claim(&store, "doomed", 60_000)
+            .await
+            .unwrap()
+            .is_none()
+    );
+}
