@@ -3,6 +3,7 @@
 use std::sync::Arc;
 
 use anyhow::Context as _;
+use axum::serve::ListenerExt;
 use tokio::net::TcpListener;
 
 use crate::api::{self, auth::Authenticator, auth::DEVELOPMENT_SECRET, context::Services};
@@ -35,7 +36,30 @@ pub fn authenticator(config: &Config) -> anyhow::Result<Authenticator> {
     Authenticator::new(secret).context("TETHER_JWT_SECRET is not a usable HS256 secret")
 }
 
-pub async fn serve(config: Config, role: Role) -> anyhow::Result<()> {
+/// A server started in this process: the API (unless `Role::Worker`) on a
+/// bound address, and the workers (unless `Role::Api`).
+pub struct Running {
+    pub addr: std::net::SocketAddr,
+    pub store: Store,
+    stopping: CancellationToken,
+    server: tokio::task::JoinHandle<std::io::Result<()>>,
+    runtime: Option<Runtime>,
+}
+
+impl Running {
+    /// Stops serving, lets in-flight runs reach a commit point and gives
+    /// them back, then returns.
+    pub async fn shutdown(self) {
+        self.stopping.cancel();
+        if let Some(runtime) = self.runtime {
+            runtime.shutdown().await;
+        }
+        // Open WebSockets do not end by themselves; do not wait on them long.
+        let _ = tokio::time::timeout(std::time::Duration::from_secs(5), self.server).await;
+    }
+}
+
+pub async fn start(config: Config, role: Role) -> anyhow::Result<Running> {
     if config.jwt_secret.is_none() {
         tracing::warn!(
             "TETHER_JWT_SECRET is not set: using the development secret (loopback only)"
@@ -55,7 +79,7 @@ pub async fn serve(config: Config, role: Role) -> anyhow::Result<()> {
         )
     });
     let services = Services {
-        store,
+        store: store.clone(),
         config: file,
     };
     let app = match role {
@@ -66,20 +90,34 @@ pub async fn serve(config: Config, role: Role) -> anyhow::Result<()> {
         .await
         .with_context(|| format!("cannot listen on {}", config.listen))?;
     let addr = listener.local_addr()?;
-    // Tests and scripts read this line to find a port chosen by the system.
-    println!("tether listening on http://{addr}");
     tracing::info!(%addr, ?role, "serving");
+    // Events are small frames: without TCP_NODELAY, Nagle's algorithm and a
+    // client's delayed ACK hold them back by tens of milliseconds.
+    let listener = listener.tap_io(|tcp| {
+        if let Err(err) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %err, "cannot set TCP_NODELAY");
+        }
+    });
     let stopping = CancellationToken::new();
     let server =
         axum::serve(listener, app).with_graceful_shutdown(stopping.clone().cancelled_owned());
     let server = tokio::spawn(async move { server.await });
+    Ok(Running {
+        addr,
+        store,
+        stopping,
+        server,
+        runtime,
+    })
+}
+
+/// `tether serve`: start, announce the address, run until SIGTERM or Ctrl-C.
+pub async fn serve(config: Config, role: Role) -> anyhow::Result<()> {
+    let running = start(config, role).await?;
+    // Tests and scripts read this line to find a port chosen by the system.
+    println!("tether listening on http://{}", running.addr);
     shutdown_signal().await;
-    stopping.cancel();
-    if let Some(runtime) = runtime {
-        runtime.shutdown().await;
-    }
-    // Open WebSockets do not end by themselves; do not wait on them long.
-    let _ = tokio::time::timeout(std::time::Duration::from_secs(5), server).await;
+    running.shutdown().await;
     Ok(())
 }
 

@@ -34,46 +34,43 @@ enum RunAudit {
     EndedAt,
 }
 
+async fn add_column<T: IntoIden + 'static>(
+    manager: &SchemaManager<'_>,
+    table: T,
+    mut column: ColumnDef,
+) -> Result<(), DbErr> {
+    manager
+        .alter_table(
+            Table::alter()
+                .table(table)
+                .add_column(&mut column)
+                .to_owned(),
+        )
+        .await
+}
+
 #[async_trait::async_trait]
 impl MigrationTrait for Migration {
     async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        // Time spent RUNNING or RETRY_PENDING before the current claim, for
-        // the run's timeout; and when the current claim began.
-        manager
-            .alter_table(
-                Table::alter()
-                    .table(Runs::Table)
-                    .add_column(big_integer(Runs::ActiveMs).default(0))
-                    .to_owned(),
-            )
-            .await?;
-        manager
-            .alter_table(
-                Table::alter()
-                    .table(Runs::Table)
-                    .add_column(big_integer_null(Runs::ClaimedAt))
-                    .to_owned(),
-            )
-            .await?;
+        // Time spent RUNNING before the current claim, for the run's
+        // timeout; and when the current claim began.
+        add_column(
+            manager,
+            Runs::Table,
+            big_integer(Runs::ActiveMs).default(0).to_owned(),
+        )
+        .await?;
+        add_column(manager, Runs::Table, big_integer_null(Runs::ClaimedAt)).await?;
         // Which run wrote a part, and whether its text was abandoned (an
-        // attempt cut off by a crash or a failure): shown, never sent to the
+        // attempt cut off by a crash or a shutdown): shown, never sent to the
         // model again.
-        manager
-            .alter_table(
-                Table::alter()
-                    .table(Parts::Table)
-                    .add_column(uuid_null(Parts::RunId))
-                    .to_owned(),
-            )
-            .await?;
-        manager
-            .alter_table(
-                Table::alter()
-                    .table(Parts::Table)
-                    .add_column(boolean(Parts::Abandoned).default(false))
-                    .to_owned(),
-            )
-            .await?;
+        add_column(manager, Parts::Table, uuid_null(Parts::RunId)).await?;
+        add_column(
+            manager,
+            Parts::Table,
+            boolean(Parts::Abandoned).default(false).to_owned(),
+        )
+        .await?;
         manager
             .create_index(
                 Index::create()

@@ -46,6 +46,7 @@ pub async fn create_conversation(
         created_at: Set(now_millis()),
         event_seq: Set(0),
     };
+    let _lane = store.write_lane().await;
     Ok(row.insert(store.db()).await?)
 }
 
@@ -81,16 +82,21 @@ pub async fn send_message(
 
     let mut events = Vec::new();
     let mut interrupted = Vec::new();
-    let active = reads::unended_runs(&*tx, &actor.tenant, conversation.id).await?;
     match new.on_active_run {
+        // Runs of a conversation execute in order: nothing to look at.
         ActiveRunStrategy::Queue => {}
-        ActiveRunStrategy::Reject if !active.is_empty() => {
-            return Err(Error::Conflict(
-                "the conversation has an active run".to_owned(),
-            ));
+        ActiveRunStrategy::Reject => {
+            if !reads::unended_runs(&*tx, &actor.tenant, conversation.id)
+                .await?
+                .is_empty()
+            {
+                return Err(Error::Conflict(
+                    "the conversation has an active run".to_owned(),
+                ));
+            }
         }
-        ActiveRunStrategy::Reject => {}
         ActiveRunStrategy::Interrupt => {
+            let active = reads::unended_runs(&*tx, &actor.tenant, conversation.id).await?;
             // Ended here and now, also a running one: its epoch moves on, so
             // its worker's next commit is fenced and it stops.
             for row in active {

@@ -7,7 +7,11 @@ pub mod queue;
 pub mod reads;
 pub mod runs;
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use std::time::Duration;
+use tokio::sync::{Mutex, OwnedMutexGuard};
 
 use sea_orm::sea_query::{Expr, ExprTrait};
 use sea_orm::sqlx::sqlite::{SqliteJournalMode, SqliteSynchronous};
@@ -49,7 +53,14 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 pub struct Store {
     db: DatabaseConnection,
     bus: Bus,
+    writes: Arc<AtomicU64>,
+    /// SQLite has one writer: writers of this process queue here instead of
+    /// spinning in SQLite's busy handler, whose sleeps grow to 100 ms.
+    write_lane: Option<Arc<Mutex<()>>>,
 }
+
+/// The right to write, held until a write's commit (SQLite only).
+pub(crate) type WriteLane = Option<OwnedMutexGuard<()>>;
 
 impl Store {
     /// Connects with settings fit for concurrent use: on SQLite, WAL, a busy
@@ -71,8 +82,14 @@ impl Store {
         } else {
             options.max_connections(16).min_connections(1);
         }
+        let write_lane = url.starts_with("sqlite:").then(Arc::default);
         let db = Database::connect(options).await?;
-        Ok(Store { db, bus })
+        Ok(Store {
+            db,
+            bus,
+            writes: Arc::default(),
+            write_lane,
+        })
     }
 
     pub async fn migrate(&self) -> Result<()> {
@@ -88,6 +105,22 @@ impl Store {
         &self.bus
     }
 
+    /// Write transactions begun by this store so far (for benchmarks).
+    pub fn write_transactions(&self) -> u64 {
+        self.writes.load(Ordering::Relaxed)
+    }
+
+    /// Waits for this process's turn to write and counts the write. Every
+    /// write takes it: transactions through `begin_write`, single statements
+    /// directly.
+    pub(crate) async fn write_lane(&self) -> WriteLane {
+        self.writes.fetch_add(1, Ordering::Relaxed);
+        match &self.write_lane {
+            Some(lane) => Some(lane.clone().lock_owned().await),
+            None => None,
+        }
+    }
+
     pub fn backend(&self) -> DatabaseBackend {
         self.db.get_database_backend()
     }
@@ -100,6 +133,7 @@ impl Store {
     /// Begins a write transaction. On SQLite it is `BEGIN IMMEDIATE`, so two
     /// writers never deadlock upgrading a read lock.
     pub async fn begin_write(&self) -> Result<WriteTx> {
+        let lane = self.write_lane().await;
         let tx = self
             .db
             .begin_with_options(TransactionOptions {
@@ -110,6 +144,7 @@ impl Store {
         Ok(WriteTx {
             tx,
             events: Vec::new(),
+            _lane: lane,
         })
     }
 
@@ -142,6 +177,7 @@ impl Store {
 pub struct WriteTx {
     tx: DatabaseTransaction,
     events: Vec<Event>,
+    _lane: WriteLane,
 }
 
 impl std::ops::Deref for WriteTx {

@@ -6,7 +6,6 @@ use sea_orm::{
     ColumnTrait, DatabaseBackend, EntityTrait, QueryFilter, QueryOrder, QuerySelect, Statement,
     Value,
 };
-use uuid::Uuid;
 
 use super::entities::run;
 use super::runs::{self, Lease};
@@ -19,6 +18,7 @@ use crate::domain::time::now_millis;
 /// not behind an unended older run of its conversation. Returns it with its
 /// new lease. On PostgreSQL concurrent claimers skip each other's rows.
 pub async fn claim(store: &Store, owner: &str, lease_ms: i64) -> Result<Option<run::Model>> {
+    let _lane = store.write_lane().await;
     let now = now_millis();
     let backend = store.backend();
     let mut n = 0;
@@ -76,6 +76,7 @@ pub enum Heartbeat {
 }
 
 pub async fn heartbeat(store: &Store, lease: &Lease, lease_ms: i64) -> Result<Heartbeat> {
+    let _lane = store.write_lane().await;
     let rows = run::Entity::update_many()
         .col_expr(
             run::Column::LeaseExpiresAt,
@@ -181,15 +182,4 @@ async fn recover(store: &Store, seen: run::Model, budget: u32) -> Result<bool> {
     tx.append(&conversation, events).await?;
     store.commit(tx).await?;
     Ok(true)
-}
-
-/// Whether this run id is currently held under this epoch (for tests and
-/// diagnostics).
-pub async fn holds(store: &Store, run_id: Uuid, epoch: i64) -> Result<bool> {
-    Ok(run::Entity::find_by_id(run_id)
-        .filter(run::Column::LeaseEpoch.eq(epoch))
-        .filter(run::Column::Status.eq(RunStatus::Running.as_str()))
-        .one(store.db())
-        .await?
-        .is_some())
 }

@@ -4,6 +4,7 @@
 //! `Error::Fenced` and writes nothing.
 
 use sea_orm::ActiveValue::Set;
+use sea_orm::sea_query::Expr;
 use sea_orm::{ActiveModelTrait, ColumnTrait, EntityTrait, QueryFilter, QueryOrder, QuerySelect};
 use uuid::Uuid;
 
@@ -89,15 +90,26 @@ async fn open(
 /// run has its assistant message, opens a text part, and says `run.started`.
 pub async fn begin(store: &Store, lease: &Lease) -> Result<Begun> {
     let (mut tx, conversation, row) = open(store, lease).await?;
-    let mut events = abandon_open_parts(&tx, row.id).await?;
-    let now = now_millis();
-    let message_id = match message::Entity::find()
-        .filter(message::Column::RunId.eq(row.id))
-        .filter(message::Column::Role.eq(MessageRole::Assistant.as_str()))
-        .one(&*tx)
-        .await?
-    {
-        Some(existing) => existing.id,
+    // A run's first claim has epoch 1 (every claim and every release adds
+    // one): it has no message and no parts yet, so there is nothing to look
+    // up or recover.
+    let first_claim = row.lease_epoch == 1;
+    let mut events = if first_claim {
+        Vec::new()
+    } else {
+        abandon_open_parts(&tx, row.id).await?
+    };
+    let existing = if first_claim {
+        None
+    } else {
+        message::Entity::find()
+            .filter(message::Column::RunId.eq(row.id))
+            .filter(message::Column::Role.eq(MessageRole::Assistant.as_str()))
+            .one(&*tx)
+            .await?
+    };
+    let (message_id, index) = match existing {
+        Some(existing) => (existing.id, next_index(&tx, existing.id).await?),
         None => {
             let id = Uuid::now_v7();
             message::ActiveModel {
@@ -107,7 +119,7 @@ pub async fn begin(store: &Store, lease: &Lease) -> Result<Begun> {
                 role: Set(MessageRole::Assistant.as_str().to_owned()),
                 run_id: Set(Some(row.id)),
                 client_message_id: Set(None),
-                created_at: Set(now),
+                created_at: Set(now_millis()),
             }
             .insert(&*tx)
             .await?;
@@ -116,13 +128,14 @@ pub async fn begin(store: &Store, lease: &Lease) -> Result<Begun> {
                 MessageRole::Assistant,
                 Some(row.id),
             ));
-            id
+            (id, 0)
         }
     };
-    let part = add_part(
+    let part = insert_part(
         &tx,
         &row,
         message_id,
+        index,
         PartKind::Text,
         PartState::Streaming,
         "",
@@ -206,7 +219,8 @@ pub async fn finish(
             },
         });
     }
-    events.extend(end(&tx, row, ending.cause, ending.error).await?);
+    // The worker streams into one part at a time, closed just above.
+    let events = end_closed(&tx, row, ending.cause, ending.error, events).await?;
     tx.append(&conversation, events).await?;
     store.commit(tx).await?;
     Ok(())
@@ -242,9 +256,20 @@ pub async fn end(
     cause: EndCause,
     error: Option<RunError>,
 ) -> Result<Vec<NewEvent>> {
+    let (events, _) = close_streaming_parts(tx, row.id, false).await?;
+    end_closed(tx, row, cause, error, events).await
+}
+
+/// `end` for a caller that has closed the run's parts itself.
+async fn end_closed(
+    tx: &WriteTx,
+    row: run::Model,
+    cause: EndCause,
+    error: Option<RunError>,
+    mut events: Vec<NewEvent>,
+) -> Result<Vec<NewEvent>> {
     let from: RunStatus = parse_stored(&row.status, "run status")?;
     let to = transition(from, RunInput::End(cause)).map_err(|e| Error::Conflict(e.to_string()))?;
-    let mut events = close_open_parts(tx, row.id).await?;
     let now = now_millis();
     let active_ms = if from == RunStatus::Running {
         row.active_ms + (now - row.claimed_at.unwrap_or(now)).max(0)
@@ -309,25 +334,10 @@ pub(crate) fn clear_lease(active: &mut run::ActiveModel) {
 /// they are closed, marked abandoned (never sent to the model again), and a
 /// `NOTICE` follows them.
 pub(crate) async fn abandon_open_parts(tx: &WriteTx, run_id: Uuid) -> Result<Vec<NewEvent>> {
-    let open = streaming_parts(tx, run_id).await?;
-    let Some(last) = open.last().cloned() else {
-        return Ok(Vec::new());
+    let (mut events, last) = close_streaming_parts(tx, run_id, true).await?;
+    let Some(message_id) = last else {
+        return Ok(events);
     };
-    let mut events = Vec::new();
-    for row in open {
-        let length = row.text.as_deref().map(utf16_len);
-        let mut active: part::ActiveModel = row.into();
-        active.state = Set(PartState::Done.as_str().to_owned());
-        active.abandoned = Set(true);
-        active.updated_at = Set(now_millis());
-        let saved = active.update(&**tx).await?;
-        events.push(part_event_for(
-            EventKind::PartUpdated,
-            run_id,
-            &saved,
-            length,
-        )?);
-    }
     let run = run::Entity::find_by_id(run_id)
         .one(&**tx)
         .await?
@@ -335,7 +345,7 @@ pub(crate) async fn abandon_open_parts(tx: &WriteTx, run_id: Uuid) -> Result<Vec
     let notice = add_part(
         tx,
         &run,
-        last.message_id,
+        message_id,
         PartKind::Notice,
         PartState::Done,
         "The response above was interrupted and is starting again.",
@@ -350,13 +360,23 @@ pub(crate) async fn abandon_open_parts(tx: &WriteTx, run_id: Uuid) -> Result<Vec
     Ok(events)
 }
 
-/// Closes the run's streaming parts as they are, when it ends.
-async fn close_open_parts(tx: &WriteTx, run_id: Uuid) -> Result<Vec<NewEvent>> {
+/// Closes the run's streaming parts as they are (`abandoned` when their
+/// attempt was cut off). Returns their events and the message of the last.
+async fn close_streaming_parts(
+    tx: &WriteTx,
+    run_id: Uuid,
+    abandoned: bool,
+) -> Result<(Vec<NewEvent>, Option<Uuid>)> {
     let mut events = Vec::new();
+    let mut last_message = None;
     for row in streaming_parts(tx, run_id).await? {
         let length = row.text.as_deref().map(utf16_len);
+        last_message = Some(row.message_id);
         let mut active: part::ActiveModel = row.into();
         active.state = Set(PartState::Done.as_str().to_owned());
+        if abandoned {
+            active.abandoned = Set(true);
+        }
         active.updated_at = Set(now_millis());
         let saved = active.update(&**tx).await?;
         events.push(part_event_for(
@@ -366,7 +386,7 @@ async fn close_open_parts(tx: &WriteTx, run_id: Uuid) -> Result<Vec<NewEvent>> {
             length,
         )?);
     }
-    Ok(events)
+    Ok((events, last_message))
 }
 
 async fn streaming_parts(tx: &WriteTx, run_id: Uuid) -> Result<Vec<part::Model>> {
@@ -387,18 +407,35 @@ async fn add_part(
     state: PartState,
     text: &str,
 ) -> Result<part::Model> {
+    let index = next_index(tx, message_id).await?;
+    insert_part(tx, run, message_id, index, kind, state, text).await
+}
+
+async fn next_index(tx: &WriteTx, message_id: Uuid) -> Result<i32> {
     let last: Option<part::Model> = part::Entity::find()
         .filter(part::Column::MessageId.eq(message_id))
         .order_by_desc(part::Column::Idx)
         .one(&**tx)
         .await?;
+    Ok(last.map_or(0, |p| p.idx + 1))
+}
+
+async fn insert_part(
+    tx: &WriteTx,
+    run: &run::Model,
+    message_id: Uuid,
+    index: i32,
+    kind: PartKind,
+    state: PartState,
+    text: &str,
+) -> Result<part::Model> {
     let now = now_millis();
     Ok(part::ActiveModel {
         id: Set(Uuid::now_v7()),
         message_id: Set(message_id),
         conversation_id: Set(run.conversation_id),
         tenant: Set(run.tenant.clone()),
-        idx: Set(last.map_or(0, |p| p.idx + 1)),
+        idx: Set(index),
         kind: Set(kind.as_str().to_owned()),
         state: Set(state.as_str().to_owned()),
         text: Set(Some(text.to_owned())),
@@ -418,15 +455,15 @@ async fn update_part(
     text: &str,
     state: PartState,
 ) -> Result<part::Model> {
-    let row = part::Entity::find_by_id(part_id)
-        .one(&**tx)
+    part::Entity::update_many()
+        .col_expr(part::Column::Text, Expr::value(text))
+        .col_expr(part::Column::State, Expr::value(state.as_str()))
+        .col_expr(part::Column::UpdatedAt, Expr::value(now_millis()))
+        .filter(part::Column::Id.eq(part_id))
+        .exec_with_returning(&**tx)
         .await?
-        .ok_or(Error::NotFound)?;
-    let mut active: part::ActiveModel = row.into();
-    active.text = Set(Some(text.to_owned()));
-    active.state = Set(state.as_str().to_owned());
-    active.updated_at = Set(now_millis());
-    Ok(active.update(&**tx).await?)
+        .pop()
+        .ok_or(Error::NotFound)
 }
 
 fn part_event(
