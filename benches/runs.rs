@@ -52,6 +52,7 @@ struct Seen {
 }
 
 struct Sample {
+    answered: Duration,
     first_delta: Duration,
     completed: Duration,
 }
@@ -104,8 +105,10 @@ async fn bench(label: &str, url: &str) {
     running.shutdown().await;
 
     let runs = samples.len();
+    let mut answered: Vec<Duration> = samples.iter().map(|s| s.answered).collect();
     let mut first: Vec<Duration> = samples.iter().map(|s| s.first_delta).collect();
     let mut done: Vec<Duration> = samples.iter().map(|s| s.completed).collect();
+    answered.sort();
     first.sort();
     done.sort();
     println!(
@@ -118,6 +121,11 @@ async fn bench(label: &str, url: &str) {
     println!(
         "  runs per second          {:.0}",
         runs as f64 / elapsed.as_secs_f64()
+    );
+    println!(
+        "  sendMessage → its response       p50 {:>8.2} ms   p99 {:>8.2} ms",
+        ms(percentile(&answered, 50)),
+        ms(percentile(&answered, 99))
     );
     println!(
         "  sendMessage → first part.delta   p50 {:>8.2} ms   p99 {:>8.2} ms",
@@ -235,6 +243,7 @@ async fn client(addr: &str, auth: &Authenticator, index: usize, messages: usize)
             json!({ "c": conversation, "t": format!("message {i} from client {index}") }),
         )
         .await;
+        let answered = sent.elapsed();
         let run = data["sendMessage"]["run"]["id"]
             .as_str()
             .unwrap()
@@ -246,6 +255,7 @@ async fn client(addr: &str, auth: &Authenticator, index: usize, messages: usize)
                 if let Some(done) = seen.completed.get(&run) {
                     let first = seen.first_delta.get(&run).copied().unwrap_or(*done);
                     samples.push(Sample {
+                        answered,
                         first_delta: first.duration_since(sent),
                         completed: done.duration_since(sent),
                     });

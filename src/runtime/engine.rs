@@ -7,7 +7,7 @@
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use futures_util::StreamExt;
+use futures_util::{FutureExt, StreamExt};
 use tokio::time::{Instant, sleep_until};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
@@ -21,6 +21,9 @@ use crate::providers::{self, ModelEvent, ModelRequest, ProviderError};
 use crate::store::entities::run;
 use crate::store::runs::{self, Begun, Ending, Lease, utf16_len};
 use crate::store::{self, Store};
+
+/// The most model events merged into one delta.
+const MAX_COALESCED: usize = 256;
 
 /// Why a worker stops a run it holds before the model is done.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -328,23 +331,45 @@ async fn infer(
                 next_checkpoint = None;
                 failpoints::hit("after_checkpoint");
             }
-            item = stream.next() => match item {
-                Some(Ok(ModelEvent::Text(chunk))) => {
-                    if chunk.is_empty() {
-                        continue;
+            item = stream.next() => {
+                // Whatever else the model has already sent goes out in the
+                // same delta: fewer, larger frames, no added delay.
+                let mut items = vec![item];
+                while items.len() < MAX_COALESCED {
+                    match stream.next().now_or_never() {
+                        Some(next) => items.push(next),
+                        None => break,
                     }
-                    publish_delta(store, lease, part, state, &chunk);
-                    state.text.push_str(&chunk);
+                }
+                let mut delta = String::new();
+                let mut outcome = None;
+                for item in items {
+                    match item {
+                        Some(Ok(ModelEvent::Text(chunk))) => delta.push_str(&chunk),
+                        Some(Ok(ModelEvent::Reasoning(_))) => {}
+                        Some(Ok(ModelEvent::Usage { input_tokens, output_tokens })) => {
+                            state.input_tokens = input_tokens;
+                            state.output_tokens = output_tokens;
+                        }
+                        Some(Ok(ModelEvent::Finished { .. })) | None => {
+                            outcome = Some(Inference::Done);
+                            break;
+                        }
+                        Some(Err(err)) => {
+                            outcome = Some(Inference::Failed(err));
+                            break;
+                        }
+                    }
+                }
+                if !delta.is_empty() {
+                    publish_delta(store, lease, part, state, &delta);
+                    state.text.push_str(&delta);
                     next_checkpoint.get_or_insert_with(|| Instant::now() + checkpoint_every);
                 }
-                Some(Ok(ModelEvent::Reasoning(_))) => {}
-                Some(Ok(ModelEvent::Usage { input_tokens, output_tokens })) => {
-                    state.input_tokens = input_tokens;
-                    state.output_tokens = output_tokens;
+                if let Some(outcome) = outcome {
+                    return Ok(outcome);
                 }
-                Some(Ok(ModelEvent::Finished { .. })) | None => return Ok(Inference::Done),
-                Some(Err(err)) => return Ok(Inference::Failed(err)),
-            },
+            }
         }
     }
 }

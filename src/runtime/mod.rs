@@ -83,31 +83,44 @@ async fn dispatch(
     reap.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
 
     loop {
-        // Claim while there are free slots and runs to claim.
-        while let Ok(permit) = slots.clone().try_acquire_owned() {
-            match queue::claim(&store, &options.instance_id, lease_ms).await {
-                Ok(Some(claimed)) => {
-                    let control = Arc::new(Control::default());
-                    lock(&registry).insert(claimed.id, control.clone());
-                    let (store, config, registry, freed) = (
-                        store.clone(),
-                        config.clone(),
-                        registry.clone(),
-                        freed.clone(),
-                    );
-                    tasks.spawn(async move {
-                        let run_id = claimed.id;
-                        hold(store, config, claimed, control).await;
-                        lock(&registry).remove(&run_id);
-                        drop(permit);
-                        freed.notify_one();
-                    });
-                }
-                Ok(None) => break,
+        // Claim while there are free slots and runs to claim, as many at
+        // once as there are free slots.
+        loop {
+            let free = slots.available_permits();
+            if free == 0 {
+                break;
+            }
+            let claimed = match queue::claim(&store, &options.instance_id, lease_ms, free).await {
+                Ok(claimed) => claimed,
                 Err(err) => {
                     tracing::warn!(error = %err, "claiming failed");
                     break;
                 }
+            };
+            let exhausted = claimed.len() < free;
+            for claimed in claimed {
+                // Only this loop takes permits, so one is free for each.
+                let Ok(permit) = slots.clone().try_acquire_owned() else {
+                    break;
+                };
+                let control = Arc::new(Control::default());
+                lock(&registry).insert(claimed.id, control.clone());
+                let (store, config, registry, freed) = (
+                    store.clone(),
+                    config.clone(),
+                    registry.clone(),
+                    freed.clone(),
+                );
+                tasks.spawn(async move {
+                    let run_id = claimed.id;
+                    hold(store, config, claimed, control).await;
+                    lock(&registry).remove(&run_id);
+                    drop(permit);
+                    freed.notify_one();
+                });
+            }
+            if exhausted {
+                break;
             }
         }
         tokio::select! {

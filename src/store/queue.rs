@@ -14,10 +14,16 @@ use crate::domain::event::NewEvent;
 use crate::domain::run::{EndCause, RunError, RunInput, RunStatus, transition};
 use crate::domain::time::now_millis;
 
-/// Claims the oldest run that may run now: queued (or due for a retry), and
-/// not behind an unended older run of its conversation. Returns it with its
-/// new lease. On PostgreSQL concurrent claimers skip each other's rows.
-pub async fn claim(store: &Store, owner: &str, lease_ms: i64) -> Result<Option<run::Model>> {
+/// Claims up to `limit` of the oldest runs that may run now: queued (or due
+/// for a retry), and not behind an unended older run of their conversation.
+/// Returns them with their new leases, in one statement. On PostgreSQL
+/// concurrent claimers skip each other's rows.
+pub async fn claim(
+    store: &Store,
+    owner: &str,
+    lease_ms: i64,
+    limit: usize,
+) -> Result<Vec<run::Model>> {
     let _lane = store.write_lane().await;
     let now = now_millis();
     let backend = store.backend();
@@ -44,12 +50,12 @@ pub async fn claim(store: &Store, owner: &str, lease_ms: i64) -> Result<Option<r
          lease_epoch = lease_epoch + 1, lease_expires_at = {p_expires}, \
          claimed_at = {p_claimed}, started_at = COALESCE(started_at, {p_started}), \
          next_attempt_at = NULL \
-         WHERE status IN ('QUEUED', 'RETRY_PENDING') AND id = (\
+         WHERE status IN ('QUEUED', 'RETRY_PENDING') AND id IN (\
            SELECT r.id FROM runs r \
            WHERE (r.status = 'QUEUED' OR (r.status = 'RETRY_PENDING' AND r.next_attempt_at <= {p_due})) \
            AND NOT EXISTS (SELECT 1 FROM runs o WHERE o.conversation_id = r.conversation_id \
                            AND o.id < r.id AND o.status IN ({unended})) \
-           ORDER BY r.id LIMIT 1{skip_locked}) \
+           ORDER BY r.id LIMIT {limit}{skip_locked}) \
          RETURNING *"
     );
     let values: Vec<Value> = vec![
@@ -59,10 +65,12 @@ pub async fn claim(store: &Store, owner: &str, lease_ms: i64) -> Result<Option<r
         now.into(),
         now.into(),
     ];
-    Ok(run::Entity::find()
+    let mut claimed = run::Entity::find()
         .from_raw_sql(Statement::from_sql_and_values(backend, sql, values))
-        .one(store.db())
-        .await?)
+        .all(store.db())
+        .await?;
+    claimed.sort_by_key(|r| r.id);
+    Ok(claimed)
 }
 
 /// What a heartbeat learned.

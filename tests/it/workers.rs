@@ -163,10 +163,10 @@ async fn a_worker_whose_lease_was_taken_over_commits_nothing() {
     let conversation_id = conversation(&store).await;
     send(&store, conversation_id, "hello").await;
 
-    let first = queue::claim(&store, "worker-a", 60_000)
+    let first = queue::claim(&store, "worker-a", 60_000, 1)
         .await
         .unwrap()
-        .unwrap();
+        .remove(0);
     let lease_a = Lease::of(&first);
     let begun_a = runs::begin(&store, &lease_a).await.unwrap();
     runs::checkpoint(&store, &lease_a, &begun_a.part, "from a")
@@ -186,10 +186,10 @@ async fn a_worker_whose_lease_was_taken_over_commits_nothing() {
         queue::reclaim(&store, Reclaim::Expired, 3).await.unwrap(),
         1
     );
-    let second = queue::claim(&store, "worker-b", 60_000)
+    let second = queue::claim(&store, "worker-b", 60_000, 1)
         .await
         .unwrap()
-        .unwrap();
+        .remove(0);
     assert_eq!(second.id, first.id);
     assert!(second.lease_epoch > first.lease_epoch);
     let lease_b = Lease::of(&second);
@@ -244,10 +244,10 @@ async fn a_run_that_keeps_losing_its_worker_ends_with_recovery_limit() {
     let queued = send(&store, conversation_id, "hello").await;
     let budget = 2;
     for round in 0..=budget {
-        let claimed = queue::claim(&store, "doomed", 60_000)
+        let claimed = queue::claim(&store, "doomed", 60_000, 1)
             .await
             .unwrap()
-            .unwrap();
+            .remove(0);
         runs::begin(&store, &Lease::of(&claimed)).await.unwrap();
         // The worker dies: nothing renews its lease.
         let mut expired: run::ActiveModel = claimed.into();
@@ -274,9 +274,9 @@ async fn a_run_that_keeps_losing_its_worker_ends_with_recovery_limit() {
         }
     }
     assert!(
-        queue::claim(&store, "doomed", 60_000)
+        queue::claim(&store, "doomed", 60_000, 1)
             .await
             .unwrap()
-            .is_none()
+            .is_empty()
     );
 }
