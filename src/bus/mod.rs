@@ -66,6 +66,11 @@ impl Bus {
         }
     }
 
+    /// Wakes a worker of this process: a run may be ready to claim.
+    pub fn wake_workers(&self) {
+        self.queued.notify_one();
+    }
+
     /// Resolves when a run may have been queued since the last call.
     pub async fn run_queued(&self) {
         self.queued.notified().await;

@@ -3,11 +3,13 @@
 pub mod scripted;
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use futures_util::stream::BoxStream;
 
 use crate::config::{AgentConfig, ProviderKind};
 use crate::domain::MessageRole;
+use crate::domain::retry::retryable_status;
 
 /// One turn of the history sent to the model, rebuilt from committed facts.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -22,6 +24,8 @@ pub struct ModelRequest {
     pub system: Option<String>,
     pub turns: Vec<Turn>,
     pub max_tokens: u32,
+    /// Which attempt of this model request this is, from 1.
+    pub attempt: u32,
 }
 
 /// What a model streams back.
@@ -42,16 +46,43 @@ pub enum ModelEvent {
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ProviderError {
+    /// The provider answered with an error status.
     #[error("{message}")]
     Http {
         status: u16,
+        /// The provider's error type, for example `rate_limit_error`.
         code: String,
         message: String,
+        /// From `retry-after-ms` or `retry-after`.
+        retry_after: Option<Duration>,
     },
+    /// An `error` event in a stream that had started well.
+    #[error("{message}")]
+    Stream { code: String, message: String },
     #[error("network error: {0}")]
     Network(String),
+    /// The provider cannot be used at all (configuration).
     #[error("{0}")]
     Unavailable(String),
+}
+
+impl ProviderError {
+    /// Worth another attempt: transient statuses, network trouble, and
+    /// errors reported inside a stream.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            ProviderError::Http { status, .. } => retryable_status(*status),
+            ProviderError::Stream { .. } | ProviderError::Network(_) => true,
+            ProviderError::Unavailable(_) => false,
+        }
+    }
+
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self {
+            ProviderError::Http { retry_after, .. } => *retry_after,
+            _ => None,
+        }
+    }
 }
 
 pub type ModelStream = BoxStream<'static, Result<ModelEvent, ProviderError>>;

@@ -1,6 +1,6 @@
 //! The built-in scripted model: deterministic and offline. It quotes the
 //! latest user message in a reply streamed in small chunks; a line of that
-//! message may direct it (`/hold SECONDS`).
+//! message may direct it (`/hold SECONDS`, `/fail STATUS`).
 
 use std::time::Duration;
 
@@ -33,20 +33,57 @@ impl Scripted {
 pub enum Directive {
     Reply,
     Hold(Duration),
+    /// The first attempt fails as a provider would with this HTTP status.
+    Fail(u16),
 }
 
 pub fn directive(text: &str) -> Directive {
     for line in text.lines() {
         let mut words = line.split_whitespace();
-        if words.next() == Some("/hold")
-            && let Some(seconds) = words.next().and_then(|s| s.parse::<f64>().ok())
-            && seconds.is_finite()
-            && seconds >= 0.0
-        {
-            return Directive::Hold(Duration::from_secs_f64(seconds.min(3600.0)));
+        match (words.next(), words.next()) {
+            (Some("/hold"), Some(seconds)) => {
+                if let Ok(seconds) = seconds.parse::<f64>()
+                    && seconds.is_finite()
+                    && seconds >= 0.0
+                {
+                    return Directive::Hold(Duration::from_secs_f64(seconds.min(3600.0)));
+                }
+            }
+            (Some("/fail"), Some(status)) => {
+                if let Ok(status) = status.parse::<u16>()
+                    && (400..=599).contains(&status)
+                {
+                    return Directive::Fail(status);
+                }
+            }
+            _ => {}
         }
     }
     Directive::Reply
+}
+
+/// The error a provider would answer with for `status` (Anthropic's error
+/// types); 429 comes with `retry-after: 1`.
+pub fn failure(status: u16) -> ProviderError {
+    let code = match status {
+        400 => "invalid_request_error",
+        401 => "authentication_error",
+        403 => "permission_error",
+        404 => "not_found_error",
+        413 => "request_too_large",
+        429 => "rate_limit_error",
+        529 => "overloaded_error",
+        500..=599 => "api_error",
+        _ => "invalid_request_error",
+    };
+    ProviderError::Http {
+        status,
+        code: code.to_owned(),
+        message: format!(
+            "The scripted model failed this attempt with HTTP {status}, as /fail asked."
+        ),
+        retry_after: (status == 429).then(|| Duration::from_secs(1)),
+    }
 }
 
 /// The reply to a request: about forty tokens that quote the user and say
@@ -103,7 +140,8 @@ impl Provider for Scripted {
         let output_tokens = estimate_tokens(&text);
         let hold = match directive(&latest) {
             Directive::Hold(duration) => duration,
-            Directive::Reply => Duration::ZERO,
+            Directive::Fail(status) if request.attempt <= 1 => return Err(failure(status)),
+            Directive::Fail(_) | Directive::Reply => Duration::ZERO,
         };
         let delay = self.delay;
         let stream = async_stream::stream! {
@@ -145,6 +183,7 @@ mod tests {
                 })
                 .collect(),
             max_tokens: 100,
+            attempt: 1,
         }
     }
 
@@ -156,6 +195,8 @@ mod tests {
             Directive::Hold(Duration::from_millis(2500))
         );
         assert_eq!(directive("/hold soon"), Directive::Reply);
+        assert_eq!(directive("/fail 429"), Directive::Fail(429));
+        assert_eq!(directive("/fail 200"), Directive::Reply);
     }
 
     #[tokio::test]
@@ -187,5 +228,34 @@ mod tests {
         ));
         let words = text.split_whitespace().count();
         assert!((25..=60).contains(&words), "{words} words");
+    }
+}
+
+#[cfg(test)]
+mod fail_tests {
+    use super::*;
+    use crate::providers::Turn;
+
+    #[tokio::test]
+    async fn fail_fails_the_first_attempt_only() {
+        let mut request = ModelRequest {
+            model: "scripted".into(),
+            system: None,
+            turns: vec![Turn {
+                role: MessageRole::User,
+                text: "/fail 429".into(),
+            }],
+            max_tokens: 100,
+            attempt: 1,
+        };
+        let Err(err) = Scripted::new(0).stream(request.clone()).await else {
+            panic!("the first attempt fails");
+        };
+        assert!(err.is_transient());
+        assert_eq!(err.retry_after(), Some(Duration::from_secs(1)));
+        request.attempt = 2;
+        assert!(Scripted::new(0).stream(request).await.is_ok());
+        assert!(!failure(400).is_transient());
+        assert!(failure(529).is_transient());
     }
 }

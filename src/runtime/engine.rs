@@ -15,11 +15,12 @@ use tracing::Instrument;
 use super::{failpoints, history};
 use crate::config::{AgentConfig, FileConfig};
 use crate::domain::event::{Event, EventBody, EventKind};
+use crate::domain::retry::RetryPolicy;
 use crate::domain::run::{EndCause, RunError, Usage};
 use crate::domain::time::now_millis;
 use crate::providers::{self, ModelEvent, ModelRequest, ProviderError};
 use crate::store::entities::run;
-use crate::store::runs::{self, Begun, Ending, Lease, utf16_len};
+use crate::store::runs::{self, Begun, Ending, Lease, RetryAfterFailure, utf16_len};
 use crate::store::{self, Store};
 
 /// The most model events merged into one delta.
@@ -177,6 +178,7 @@ async fn drive(
         system: agent.system.clone(),
         turns: history::turns(store, run).await?,
         max_tokens: agent.max_tokens,
+        attempt: run.attempt.max(1) as u32,
     };
 
     // Inference.
@@ -226,17 +228,40 @@ async fn drive(
         }
         Inference::Failed(err) => {
             let error = provider_error(&err);
-            end(
-                store,
-                lease,
-                &begun,
-                &text,
-                EndCause::Error,
-                Some(error),
-                usage,
-                steps,
-            )
-            .await
+            let policy = retry_policy(agent);
+            let failed = run.attempt.max(1);
+            if err.is_transient() && policy.allows_another(failed as u32) {
+                let delay = policy.delay(failed as u32, err.retry_after(), fastrand::f64());
+                tracing::info!(attempt = failed, delay_ms = delay.as_millis() as u64, error = %err, "model request failed; retrying");
+                let retry = RetryAfterFailure {
+                    failed_attempt: failed,
+                    max_attempts: policy.max_attempts as i32,
+                    delay_ms: delay.as_millis() as i64,
+                    error,
+                };
+                runs::schedule_retry(store, lease, &begun.part, &text, retry).await?;
+                failpoints::hit("after_retry_scheduled");
+                // Any worker claims it when due (polling covers a crash);
+                // this one wakes its own process right on time.
+                let bus = store.bus().clone();
+                tokio::spawn(async move {
+                    tokio::time::sleep(delay).await;
+                    bus.wake_workers();
+                });
+                Ok(())
+            } else {
+                end(
+                    store,
+                    lease,
+                    &begun,
+                    &text,
+                    EndCause::Error,
+                    Some(error),
+                    usage,
+                    steps,
+                )
+                .await
+            }
         }
         Inference::Stopped(Stop::Cancelled) => {
             end(
@@ -441,23 +466,40 @@ fn run_error(cause: EndCause, message: String) -> RunError {
     }
 }
 
+fn retry_policy(agent: &AgentConfig) -> RetryPolicy {
+    RetryPolicy {
+        max_attempts: agent.retry.max_attempts,
+        initial_delay: Duration::from_millis(agent.retry.initial_delay_ms),
+        max_delay: Duration::from_millis(agent.retry.max_delay_ms),
+    }
+}
+
+/// The provider's error as the run shows it: its error type as the code.
 fn provider_error(err: &ProviderError) -> RunError {
+    let retryable = err.is_transient();
     match err {
         ProviderError::Http {
             status,
             code,
             message,
+            ..
         } => RunError {
             code: code.clone(),
             message: message.clone(),
             http_status: Some(i32::from(*status)),
-            retryable: false,
+            retryable,
+        },
+        ProviderError::Stream { code, message } => RunError {
+            code: code.clone(),
+            message: message.clone(),
+            http_status: None,
+            retryable,
         },
         other => RunError {
             code: EndCause::Error.as_str().to_owned(),
             message: other.to_string(),
             http_status: None,
-            retryable: false,
+            retryable,
         },
     }
 }

@@ -49,7 +49,7 @@ pub async fn claim(
         "UPDATE runs SET status = 'RUNNING', lease_owner = {p_owner}, \
          lease_epoch = lease_epoch + 1, lease_expires_at = {p_expires}, \
          claimed_at = {p_claimed}, started_at = COALESCE(started_at, {p_started}), \
-         next_attempt_at = NULL \
+         next_attempt_at = NULL, attempt = CASE WHEN attempt = 0 THEN 1 ELSE attempt END \
          WHERE status IN ('QUEUED', 'RETRY_PENDING') AND id IN (\
            SELECT r.id FROM runs r \
            WHERE (r.status = 'QUEUED' OR (r.status = 'RETRY_PENDING' AND r.next_attempt_at <= {p_due})) \

@@ -248,6 +248,70 @@ pub async fn release(store: &Store, lease: &Lease, part: &OpenPart, text: &str) 
     Ok(())
 }
 
+/// A failed attempt of a model request, to be tried again.
+#[derive(Debug, Clone)]
+pub struct RetryAfterFailure {
+    /// The attempt that failed, from 1.
+    pub failed_attempt: i32,
+    pub max_attempts: i32,
+    pub delay_ms: i64,
+    pub error: RunError,
+}
+
+/// Parks the run in `RETRY_PENDING` until its next attempt is due: the failed
+/// attempt's text stays visible, closed and never sent to the model again,
+/// with a `NOTICE` after it; `run.retry-pending` says when and why. No
+/// worker holds the run meanwhile, so a crash loses nothing: any worker
+/// claims it once it is due.
+pub async fn schedule_retry(
+    store: &Store,
+    lease: &Lease,
+    part: &OpenPart,
+    text: &str,
+    retry: RetryAfterFailure,
+) -> Result<i64> {
+    let (mut tx, conversation, row) = open(store, lease).await?;
+    update_part(&tx, part.id, text, PartState::Streaming).await?;
+    let notice = format!(
+        "The model request failed ({}); attempt {} of {} follows.",
+        retry.error.message,
+        retry.failed_attempt + 1,
+        retry.max_attempts
+    );
+    let mut events = abandon_open_parts_with(&tx, row.id, &notice).await?;
+    let to = transition(RunStatus::Running, RunInput::ScheduleRetry)
+        .map_err(|e| Error::Conflict(e.to_string()))?;
+    let now = now_millis();
+    let next_attempt_at = now + retry.delay_ms;
+    let run_id = row.id;
+    // The wait counts towards the run's time, like running does.
+    let active_ms = row.active_ms + (now - row.claimed_at.unwrap_or(now)).max(0) + retry.delay_ms;
+    let error_json =
+        serde_json::to_value(&retry.error).map_err(|e| Error::Corrupt(e.to_string()))?;
+    let mut active: run::ActiveModel = row.into();
+    active.status = Set(to.as_str().to_owned());
+    active.attempt = Set(retry.failed_attempt + 1);
+    active.next_attempt_at = Set(Some(next_attempt_at));
+    active.error = Set(Some(error_json));
+    active.active_ms = Set(active_ms);
+    clear_lease(&mut active);
+    active.update(&*tx).await?;
+    events.push(NewEvent {
+        kind: EventKind::RunRetryPending,
+        run_id: Some(run_id),
+        body: EventBody::RetryPending {
+            attempt: retry.failed_attempt,
+            max_attempts: retry.max_attempts,
+            delay_ms: retry.delay_ms,
+            next_attempt_at,
+            error: retry.error,
+        },
+    });
+    tx.append(&conversation, events).await?;
+    store.commit(tx).await?;
+    Ok(next_attempt_at)
+}
+
 /// Ends a run inside `tx`: status by cause, the run's open parts closed, the
 /// audit row, and the final event. Used by workers and by the API alike.
 pub async fn end(
@@ -334,6 +398,16 @@ pub(crate) fn clear_lease(active: &mut run::ActiveModel) {
 /// they are closed, marked abandoned (never sent to the model again), and a
 /// `NOTICE` follows them.
 pub(crate) async fn abandon_open_parts(tx: &WriteTx, run_id: Uuid) -> Result<Vec<NewEvent>> {
+    abandon_open_parts_with(tx, run_id, INTERRUPTED_NOTICE).await
+}
+
+const INTERRUPTED_NOTICE: &str = "The response above was interrupted and is starting again.";
+
+async fn abandon_open_parts_with(
+    tx: &WriteTx,
+    run_id: Uuid,
+    notice: &str,
+) -> Result<Vec<NewEvent>> {
     let (mut events, last) = close_streaming_parts(tx, run_id, true).await?;
     let Some(message_id) = last else {
         return Ok(events);
@@ -348,7 +422,7 @@ pub(crate) async fn abandon_open_parts(tx: &WriteTx, run_id: Uuid) -> Result<Vec
         message_id,
         PartKind::Notice,
         PartState::Done,
-        "The response above was interrupted and is starting again.",
+        notice,
     )
     .await?;
     events.push(part_event(

@@ -7,6 +7,7 @@ mod auth;
 mod conversations;
 mod crash;
 mod input_limits;
+mod retries;
 mod runs;
 mod schema_drift;
 mod startup;

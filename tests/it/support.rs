@@ -58,6 +58,19 @@ name = "demo"
 provider = "scripted"
 stream_delay_ms = 5
 
+[agents.retry]
+max_attempts = 3
+initial_delay_ms = 100
+max_delay_ms = 400
+
+[[agents]]
+name = "once"
+provider = "scripted"
+stream_delay_ms = 5
+
+[agents.retry]
+max_attempts = 1
+
 [[agents]]
 name = "brief"
 provider = "scripted"
@@ -351,6 +364,21 @@ impl Server {
                 token,
                 "mutation { createConversation(input: {}) { id } }",
                 json!({}),
+            )
+            .await;
+        data["createConversation"]["id"]
+            .as_str()
+            .unwrap()
+            .to_owned()
+    }
+
+    /// A conversation with the named agent.
+    pub async fn conversation_with(&self, token: &str, agent: &str) -> String {
+        let data = self
+            .gql(
+                token,
+                "mutation($a: String) { createConversation(input: {agent: $a}) { id } }",
+                json!({ "a": agent }),
             )
             .await;
         data["createConversation"]["id"]
