@@ -160,7 +160,10 @@ async fn client(addr: &str, auth: &Authenticator, index: usize, messages: usize)
         &format!("client-{index}"),
         Duration::from_secs(3600),
     );
-    let http = reqwest::Client::new();
+    let http = {
+        tether::providers::http::install_tls();
+        reqwest::Client::new()
+    };
     let gql = |query: &'static str, variables: Value| {
         let request = http
             .post(format!("http://{addr}/graphql"))

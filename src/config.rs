@@ -184,6 +184,9 @@ pub struct AgentConfig {
     /// Scripted model only: milliseconds between streamed chunks.
     #[serde(default = "default_stream_delay_ms")]
     pub stream_delay_ms: u64,
+    /// Longest silence between two chunks of a streamed response.
+    #[serde(default = "default_idle_timeout_secs")]
+    pub idle_timeout_secs: u64,
     #[serde(default)]
     pub limits: Limits,
     #[serde(default)]
@@ -200,6 +203,10 @@ fn default_max_tokens() -> u32 {
 
 fn default_stream_delay_ms() -> u64 {
     30
+}
+
+fn default_idle_timeout_secs() -> u64 {
+    90
 }
 
 impl AgentConfig {
@@ -386,6 +393,7 @@ impl FileConfig {
                 max_tokens: default_max_tokens(),
                 price: None,
                 stream_delay_ms: default_stream_delay_ms(),
+                idle_timeout_secs: default_idle_timeout_secs(),
                 limits: Limits::default(),
                 retry: RetryConfig::default(),
                 context: ContextConfig::default(),
@@ -543,11 +551,14 @@ impl FileConfig {
                     format!("agent {:?} is defined twice", agent.name),
                 ));
             }
-            let conventional = match agent.provider {
-                ProviderKind::Anthropic => Some("ANTHROPIC_API_KEY"),
-                ProviderKind::Openai => Some("OPENAI_API_KEY"),
-                ProviderKind::Scripted => None,
+            let (conventional, conventional_base) = match agent.provider {
+                ProviderKind::Anthropic => (Some("ANTHROPIC_API_KEY"), Some("ANTHROPIC_BASE_URL")),
+                ProviderKind::Openai => (Some("OPENAI_API_KEY"), Some("OPENAI_BASE_URL")),
+                ProviderKind::Scripted => (None, None),
             };
+            if agent.base_url.is_none() {
+                agent.base_url = conventional_base.and_then(env).filter(|u| !u.is_empty());
+            }
             if conventional.is_some() && agent.model.is_none() {
                 return Err(invalid(
                     format!("{key}.model"),
@@ -587,6 +598,11 @@ impl FileConfig {
                 return Err(invalid(format!("{key}.stop.content_match"), e.to_string()));
             }
             at_least(&format!("{key}.max_tokens"), agent.max_tokens, 1)?;
+            at_least(
+                &format!("{key}.idle_timeout_secs"),
+                agent.idle_timeout_secs,
+                1,
+            )?;
             at_least(
                 &format!("{key}.limits.max_steps"),
                 agent.limits.max_steps,

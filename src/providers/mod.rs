@@ -1,5 +1,8 @@
 //! Model providers: a streaming interface and its implementations.
 
+pub mod anthropic;
+pub mod http;
+pub mod openai;
 pub mod scripted;
 
 use std::sync::Arc;
@@ -95,22 +98,24 @@ pub trait Provider: Send + Sync {
 
 /// The provider an agent is configured with.
 pub fn for_agent(agent: &AgentConfig) -> Arc<dyn Provider> {
+    let idle_timeout = Duration::from_secs(agent.idle_timeout_secs);
     match agent.provider {
         ProviderKind::Scripted => Arc::new(scripted::Scripted::new(agent.stream_delay_ms)),
-        ProviderKind::Anthropic | ProviderKind::Openai => Arc::new(Unimplemented(agent.provider)),
-    }
-}
-
-/// Real providers arrive with their issue; until then a run on one fails
-/// with a clear error instead of hanging.
-struct Unimplemented(ProviderKind);
-
-#[async_trait::async_trait]
-impl Provider for Unimplemented {
-    async fn stream(&self, _request: ModelRequest) -> Result<ModelStream, ProviderError> {
-        Err(ProviderError::Unavailable(format!(
-            "the {:?} provider is not available in this build",
-            self.0
-        )))
+        ProviderKind::Anthropic => Arc::new(anthropic::Anthropic {
+            base_url: agent
+                .base_url
+                .clone()
+                .unwrap_or_else(|| anthropic::DEFAULT_BASE_URL.to_owned()),
+            api_key: agent.api_key.clone(),
+            idle_timeout,
+        }),
+        ProviderKind::Openai => Arc::new(openai::OpenAi {
+            base_url: agent
+                .base_url
+                .clone()
+                .unwrap_or_else(|| openai::DEFAULT_BASE_URL.to_owned()),
+            api_key: agent.api_key.clone(),
+            idle_timeout,
+        }),
     }
 }

@@ -139,7 +139,10 @@ async fn catch_up_delivers_every_event_after_the_cursor_once_in_order_under_conc
             let token = token.clone();
             let conversation = conversation.clone();
             tokio::spawn(async move {
-                let http = reqwest::Client::new();
+                let http = {
+        tether::providers::http::install_tls();
+        reqwest::Client::new()
+    };
                 for i in 0..SENDS_PER_WRITER {
                     let body: Value = http
                         .post(format!("{server_base}/graphql"))

@@ -80,6 +80,12 @@ stream_delay_ms = 5
 timeout_secs = 1
 "#;
 
+/// An HTTP client for tests (the TLS backend chosen first, as the server does).
+pub fn http_client() -> reqwest::Client {
+    tether::providers::http::install_tls();
+    reqwest::Client::new()
+}
+
 /// A database of its own for one test, removed afterwards.
 pub struct TestDb {
     pub url: String,
@@ -255,7 +261,7 @@ impl Server {
         Server {
             base,
             addr,
-            http: reqwest::Client::new(),
+            http: http_client(),
             auth: Authenticator::new(SECRET).unwrap(),
             child,
             db,

@@ -1,0 +1,154 @@
+//! What both HTTP providers share: one client, error statuses with their
+//! `retry-after`, and server-sent events with an idle timeout.
+
+use std::sync::OnceLock;
+use std::time::{Duration, SystemTime};
+
+use eventsource_stream::{Event, Eventsource};
+use futures_util::{Stream, StreamExt};
+use reqwest::header::HeaderMap;
+
+use super::ProviderError;
+
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Chooses the process's TLS backend (ring), once; needed before any
+/// reqwest client is built. Another choice made earlier stands.
+pub fn install_tls() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}
+
+/// The process's HTTP client for providers (one connection pool).
+pub fn client() -> Result<&'static reqwest::Client, ProviderError> {
+    static CLIENT: OnceLock<Result<reqwest::Client, String>> = OnceLock::new();
+    CLIENT
+        .get_or_init(|| {
+            install_tls();
+            reqwest::Client::builder()
+                .connect_timeout(CONNECT_TIMEOUT)
+                .build()
+                .map_err(|e| e.to_string())
+        })
+        .as_ref()
+        .map_err(|e| ProviderError::Unavailable(format!("cannot build the HTTP client: {e}")))
+}
+
+/// `retry-after-ms` (milliseconds), else `retry-after` (seconds or an HTTP
+/// date), as a duration from now.
+pub fn retry_after(headers: &HeaderMap) -> Option<Duration> {
+    let text = |name: &str| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::trim)
+    };
+    if let Some(ms) = text("retry-after-ms").and_then(|v| v.parse::<f64>().ok())
+        && ms.is_finite()
+        && ms >= 0.0
+    {
+        return Some(Duration::from_secs_f64(ms / 1000.0));
+    }
+    let value = text("retry-after")?;
+    if let Ok(seconds) = value.parse::<f64>() {
+        return (seconds.is_finite() && seconds >= 0.0).then(|| Duration::from_secs_f64(seconds));
+    }
+    let at = httpdate::parse_http_date(value).ok()?;
+    Some(
+        at.duration_since(SystemTime::now())
+            .unwrap_or(Duration::ZERO),
+    )
+}
+
+/// Sends a request; a non-2xx answer becomes `ProviderError::Http` with the
+/// provider's error type and message, read by `describe` from the body.
+pub async fn send(
+    request: reqwest::RequestBuilder,
+    describe: fn(&serde_json::Value) -> Option<(String, String)>,
+) -> Result<reqwest::Response, ProviderError> {
+    let response = request.send().await.map_err(network)?;
+    let status = response.status();
+    if status.is_success() {
+        return Ok(response);
+    }
+    let retry_after = retry_after(response.headers());
+    let body = response.bytes().await.unwrap_or_default();
+    let (code, message) = serde_json::from_slice(&body)
+        .ok()
+        .and_then(|json| describe(&json))
+        .unwrap_or_else(|| {
+            let text = String::from_utf8_lossy(&body);
+            let text = text.trim();
+            (
+                format!("http_{}", status.as_u16()),
+                if text.is_empty() {
+                    format!("HTTP {status}")
+                } else {
+                    text.chars().take(500).collect()
+                },
+            )
+        });
+    Err(ProviderError::Http {
+        status: status.as_u16(),
+        code,
+        message,
+        retry_after,
+    })
+}
+
+pub fn network(err: reqwest::Error) -> ProviderError {
+    ProviderError::Network(err.to_string())
+}
+
+/// The response's server-sent events; silence longer than `idle` between
+/// two chunks is a network error.
+pub fn events(
+    response: reqwest::Response,
+    idle: Duration,
+) -> impl Stream<Item = Result<Event, ProviderError>> + Send {
+    let mut source = response.bytes_stream().eventsource();
+    async_stream::stream! {
+        loop {
+            match tokio::time::timeout(idle, source.next()).await {
+                Err(_) => {
+                    yield Err(ProviderError::Network(format!(
+                        "no data from the provider for {} s",
+                        idle.as_secs()
+                    )));
+                    return;
+                }
+                Ok(None) => return,
+                Ok(Some(Ok(event))) => yield Ok(event),
+                Ok(Some(Err(err))) => {
+                    yield Err(ProviderError::Network(err.to_string()));
+                    return;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use reqwest::header::HeaderValue;
+
+    #[test]
+    fn retry_after_reads_milliseconds_seconds_and_dates() {
+        let mut headers = HeaderMap::new();
+        assert_eq!(retry_after(&headers), None);
+        headers.insert("retry-after", HeaderValue::from_static("2"));
+        assert_eq!(retry_after(&headers), Some(Duration::from_secs(2)));
+        headers.insert("retry-after-ms", HeaderValue::from_static("1500"));
+        assert_eq!(retry_after(&headers), Some(Duration::from_millis(1500)));
+        let mut headers = HeaderMap::new();
+        let soon = httpdate::fmt_http_date(SystemTime::now() + Duration::from_secs(30));
+        headers.insert("retry-after", HeaderValue::from_str(&soon).unwrap());
+        let wait = retry_after(&headers).unwrap();
+        assert!(
+            wait > Duration::from_secs(25) && wait <= Duration::from_secs(30),
+            "{wait:?}"
+        );
+        headers.insert("retry-after", HeaderValue::from_static("soon"));
+        assert_eq!(retry_after(&headers), None);
+    }
+}
