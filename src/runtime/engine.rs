@@ -13,7 +13,7 @@ use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
 use super::{failpoints, history};
-use crate::config::{AgentConfig, FileConfig};
+use crate::config::{AgentConfig, FileConfig, Limits};
 use crate::domain::event::{Event, EventBody, EventKind};
 use crate::domain::retry::RetryPolicy;
 use crate::domain::run::{EndCause, RunError, Usage};
@@ -200,17 +200,12 @@ async fn drive(
     let text = stream_state.text;
     match inference {
         Inference::Done => {
-            end(
-                store,
-                lease,
-                &begun,
-                &text,
-                EndCause::Natural,
-                None,
-                usage,
-                steps,
-            )
-            .await
+            // Step end: the usage ceilings.
+            let (cause, error) = match over_ceiling(&agent.limits, &usage) {
+                Some((cause, message)) => (cause, Some(run_error(cause, message))),
+                None => (EndCause::Natural, None),
+            };
+            end(store, lease, &begun, &text, cause, error, usage, steps).await
         }
         Inference::TimedOut => {
             let error = run_error(EndCause::Timeout, "the run used up its time".into());
@@ -466,6 +461,44 @@ fn run_error(cause: EndCause, message: String) -> RunError {
     }
 }
 
+/// The first usage ceiling the run has gone over, if any.
+fn over_ceiling(limits: &Limits, usage: &Usage) -> Option<(EndCause, String)> {
+    if let Some(max) = limits.max_input_tokens
+        && usage.input_tokens as u64 > max
+    {
+        return Some((
+            EndCause::TokenLimit,
+            format!(
+                "the run used {} input tokens; the limit is {max}",
+                usage.input_tokens
+            ),
+        ));
+    }
+    if let Some(max) = limits.max_output_tokens
+        && usage.output_tokens as u64 > max
+    {
+        return Some((
+            EndCause::TokenLimit,
+            format!(
+                "the run used {} output tokens; the limit is {max}",
+                usage.output_tokens
+            ),
+        ));
+    }
+    if let Some(max) = limits.max_cost_usd
+        && usage.cost_usd > max
+    {
+        return Some((
+            EndCause::CostLimit,
+            format!(
+                "the run cost ${:.4}; the limit is ${max:.4}",
+                usage.cost_usd
+            ),
+        ));
+    }
+    None
+}
+
 fn retry_policy(agent: &AgentConfig) -> RetryPolicy {
     RetryPolicy {
         max_attempts: agent.retry.max_attempts,
@@ -501,5 +534,38 @@ fn provider_error(err: &ProviderError) -> RunError {
             http_status: None,
             retryable,
         },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ceilings_name_their_cause() {
+        let limits = Limits {
+            max_input_tokens: Some(100),
+            max_output_tokens: Some(10),
+            max_cost_usd: Some(0.5),
+            ..Limits::default()
+        };
+        let usage = |i, o, c| Usage {
+            input_tokens: i,
+            output_tokens: o,
+            cost_usd: c,
+        };
+        assert_eq!(over_ceiling(&limits, &usage(100, 10, 0.5)), None);
+        assert_eq!(
+            over_ceiling(&limits, &usage(101, 0, 0.0)).unwrap().0,
+            EndCause::TokenLimit
+        );
+        assert_eq!(
+            over_ceiling(&limits, &usage(0, 11, 0.0)).unwrap().0,
+            EndCause::TokenLimit
+        );
+        assert_eq!(
+            over_ceiling(&limits, &usage(0, 0, 0.51)).unwrap().0,
+            EndCause::CostLimit
+        );
     }
 }

@@ -314,3 +314,46 @@ async fn openai_compatible_streams_with_usage_and_retries_rate_limits() {
         json!({ "role": "user", "content": "hi" })
     );
 }
+
+#[tokio::test]
+async fn token_and_cost_ceilings_end_runs_with_their_cause() {
+    for (limit, cause) in [
+        ("max_input_tokens = 1000", "TOKEN_LIMIT"),
+        ("max_output_tokens = 100", "TOKEN_LIMIT"),
+        ("max_cost_usd = 0.001", "COST_LIMIT"),
+    ] {
+        let fake = FakeProvider::start(Wire::Anthropic).await;
+        fake.script([stream(anthropic_sse(&["Long answer."], 1200, 340), 64)]);
+        let config = format!(
+            r#"
+[[agents]]
+name = "model"
+provider = "anthropic"
+model = "fake-model"
+base_url = "{base}"
+api_key_env = "TETHER_TEST_PROVIDER_KEY"
+price = {{ input_per_mtok = 3.0, output_per_mtok = 15.0 }}
+
+[agents.limits]
+{limit}
+"#,
+            base = fake.base_url
+        );
+        let server = Server::start_with(ServerOptions {
+            config,
+            env: vec![("TETHER_TEST_PROVIDER_KEY".into(), KEY.into())],
+            role: "all",
+        })
+        .await;
+        let token = server.token("acme", "ada");
+        let conversation = server.create_conversation(&token).await;
+        let (_, run) = server.send(&token, &conversation, "hi").await;
+        let ended = server.wait_until_ended(&token, &run).await;
+        assert_eq!(ended["status"], "FAILED", "{limit}");
+        assert_eq!(ended["endCause"], cause, "{limit}");
+        assert_eq!(ended["error"]["code"], cause, "{limit}");
+        // What was produced is kept.
+        let parts = server.reply_parts(&token, &conversation, &run).await;
+        assert_eq!(parts[0]["text"], "Long answer.");
+    }
+}
