@@ -70,10 +70,16 @@ pub async fn graphql_get(State(app): State<AppState>, request: Request) -> Respo
     if query.len() > app.limits.max_request_bytes {
         return refusal(StatusCode::URI_TOO_LONG, "the query string is too long");
     }
-    let request = match async_graphql::http::parse_query_string(query) {
+    let mut request = match async_graphql::http::parse_query_string(query) {
         Ok(request) => request,
         Err(_) => return refusal(StatusCode::BAD_REQUEST, "malformed GraphQL query string"),
     };
+    if is_mutation(&mut request) {
+        return refusal(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "mutations must be sent with POST",
+        );
+    }
     execute(&app, viewer, request, &parts.headers).await
 }
 
@@ -104,6 +110,23 @@ async fn execute(
         "application/json"
     };
     json_response(status, content_type, &response)
+}
+
+/// Whether the operation a request would run is a mutation (a request that
+/// does not parse is left to the executor to refuse).
+fn is_mutation(request: &mut async_graphql::Request) -> bool {
+    let name = request.operation_name.clone();
+    let Ok(document) = request.parsed_query() else {
+        return false;
+    };
+    document
+        .operations
+        .iter()
+        .find(|(op_name, _)| match &name {
+            Some(name) => op_name.is_some_and(|n| n.as_str() == name),
+            None => true,
+        })
+        .is_some_and(|(_, op)| op.node.ty == async_graphql::parser::types::OperationType::Mutation)
 }
 
 fn authorization(headers: &HeaderMap) -> Option<&str> {

@@ -154,4 +154,27 @@ async fn the_graphql_response_media_type_is_honoured() {
     assert_eq!(response.status().as_u16(), 200);
     let body: serde_json::Value = response.json().await.unwrap();
     assert_eq!(body["data"]["me"]["tenant"], "acme");
+
+    // Mutations only over POST.
+    let response = server
+        .http()
+        .get(format!(
+            "{}/graphql?query=mutation%20%7B%20createConversation(input%3A%20%7B%7D)%20%7B%20id%20%7D%20%7D",
+            server.base
+        ))
+        .bearer_auth(&token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status().as_u16(), 405);
+    let body: serde_json::Value = response.json().await.unwrap();
+    assert_eq!(body["errors"][0]["extensions"]["code"], "BAD_USER_INPUT");
+    let data = server
+        .gql(
+            &token,
+            "{ conversations { nodes { id } } }",
+            serde_json::json!({}),
+        )
+        .await;
+    assert_eq!(data["conversations"]["nodes"], serde_json::json!([]));
 }
