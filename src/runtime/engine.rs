@@ -14,13 +14,17 @@ use tracing::Instrument;
 
 use super::{failpoints, history};
 use crate::config::{AgentConfig, FileConfig, Limits};
+use crate::domain::PartKind;
+use crate::domain::cursor::Cursor;
 use crate::domain::event::{Event, EventBody, EventKind};
 use crate::domain::retry::RetryPolicy;
 use crate::domain::run::{EndCause, RunError, Usage};
 use crate::domain::time::now_millis;
 use crate::providers::{self, ModelEvent, ModelRequest, ProviderError};
 use crate::store::entities::run;
-use crate::store::runs::{self, Begun, Ending, Lease, RetryAfterFailure, utf16_len};
+use crate::store::runs::{
+    self, Begun, Ending, Lease, OpenPart, PartText, RetryAfterFailure, utf16_len,
+};
 use crate::store::{self, Store};
 
 /// The most model events merged into one delta.
@@ -105,33 +109,19 @@ async fn drive(
     let begun = runs::begin(store, lease).await?;
     failpoints::hit("after_begin");
     let run = &begun.run;
+    let mut attempt = Attempt::new(&begun);
+    let before = usage_of(run);
     let Some(agent) = config.agent(&run.agent) else {
-        let error = run_error(
-            EndCause::Error,
-            format!("agent {:?} is not configured", run.agent),
-        );
-        return end(
-            store,
-            lease,
-            &begun,
-            "",
-            EndCause::Error,
-            Some(error),
-            usage_of(run),
-            run.steps,
-        )
-        .await;
+        let message = format!("agent {:?} is not configured", run.agent);
+        let ending = failed(EndCause::Error, message, before, run.steps);
+        return end(store, lease, &attempt, ending).await;
     };
     if run.cancel_requested || control.reason() == Some(Stop::Cancelled) {
         return end(
             store,
             lease,
-            &begun,
-            "",
-            EndCause::Cancelled,
-            None,
-            usage_of(run),
-            run.steps,
+            &attempt,
+            ended(EndCause::Cancelled, before, run.steps),
         )
         .await;
     }
@@ -140,35 +130,18 @@ async fn drive(
     let limits = &agent.limits;
     let remaining_ms = (limits.timeout_secs as i64 * 1000 - run.active_ms).max(0);
     if remaining_ms == 0 {
-        let error = run_error(EndCause::Timeout, "the run used up its time".into());
-        return end(
-            store,
-            lease,
-            &begun,
-            "",
+        let ending = failed(
             EndCause::Timeout,
-            Some(error),
-            usage_of(run),
+            "the run used up its time".into(),
+            before,
             run.steps,
-        )
-        .await;
+        );
+        return end(store, lease, &attempt, ending).await;
     }
     if run.steps >= limits.max_steps as i32 {
-        let error = run_error(
-            EndCause::StepLimit,
-            format!("the run reached {} steps", limits.max_steps),
-        );
-        return end(
-            store,
-            lease,
-            &begun,
-            "",
-            EndCause::StepLimit,
-            Some(error),
-            usage_of(run),
-            run.steps,
-        )
-        .await;
+        let message = format!("the run reached {} steps", limits.max_steps);
+        let ending = failed(EndCause::StepLimit, message, before, run.steps);
+        return end(store, lease, &attempt, ending).await;
     }
     let deadline = Instant::now() + Duration::from_millis(remaining_ms as u64);
 
@@ -182,121 +155,150 @@ async fn drive(
     };
 
     // Inference.
-    let mut stream_state = Streamed::new(&begun);
-    let inference = infer(
+    let stream = Stream {
         store,
         lease,
-        &begun.part,
-        config,
-        agent,
-        request,
-        &mut stream_state,
-        control,
+        checkpoint_every: Duration::from_millis(config.runtime.checkpoint_ms),
         deadline,
-    )
-    .await?;
+        control,
+    };
+    let inference = stream.infer(agent, request, &mut attempt).await?;
+
+    // After inference, step end, run end.
     let steps = run.steps + 1;
-    let usage = stream_state.usage(agent, run);
-    let text = stream_state.text;
+    let usage = attempt.usage(agent, run);
     match inference {
         Inference::Done => {
-            // Step end: the usage ceilings.
-            let (cause, error) = match over_ceiling(&agent.limits, &usage) {
-                Some((cause, message)) => (cause, Some(run_error(cause, message))),
-                None => (EndCause::Natural, None),
+            let ending = match over_ceiling(limits, &usage) {
+                Some((cause, message)) => failed(cause, message, usage, steps),
+                None => ended(EndCause::Natural, usage, steps),
             };
-            end(store, lease, &begun, &text, cause, error, usage, steps).await
+            end(store, lease, &attempt, ending).await
         }
         Inference::TimedOut => {
-            let error = run_error(EndCause::Timeout, "the run used up its time".into());
-            end(
-                store,
-                lease,
-                &begun,
-                &text,
+            let ending = failed(
                 EndCause::Timeout,
-                Some(error),
+                "the run used up its time".into(),
                 usage,
                 steps,
-            )
-            .await
+            );
+            end(store, lease, &attempt, ending).await
         }
         Inference::Failed(err) => {
             let error = provider_error(&err);
             let policy = retry_policy(agent);
-            let failed = run.attempt.max(1);
-            if err.is_transient() && policy.allows_another(failed as u32) {
-                let delay = policy.delay(failed as u32, err.retry_after(), fastrand::f64());
-                tracing::info!(attempt = failed, delay_ms = delay.as_millis() as u64, error = %err, "model request failed; retrying");
-                let retry = RetryAfterFailure {
-                    failed_attempt: failed,
-                    max_attempts: policy.max_attempts as i32,
-                    delay_ms: delay.as_millis() as i64,
-                    error,
-                };
-                runs::schedule_retry(store, lease, &begun.part, &text, retry).await?;
-                failpoints::hit("after_retry_scheduled");
-                // Any worker claims it when due (polling covers a crash);
-                // this one wakes its own process right on time.
-                let bus = store.bus().clone();
-                tokio::spawn(async move {
-                    tokio::time::sleep(delay).await;
-                    bus.wake_workers();
-                });
-                Ok(())
-            } else {
-                end(
-                    store,
-                    lease,
-                    &begun,
-                    &text,
-                    EndCause::Error,
-                    Some(error),
+            let failed_attempt = run.attempt.max(1);
+            if !(err.is_transient() && policy.allows_another(failed_attempt as u32)) {
+                let ending = Ending {
+                    cause: EndCause::Error,
+                    error: Some(error),
                     usage,
                     steps,
-                )
-                .await
+                };
+                return end(store, lease, &attempt, ending).await;
             }
+            let delay = policy.delay(failed_attempt as u32, err.retry_after(), fastrand::f64());
+            tracing::info!(
+                attempt = failed_attempt,
+                delay_ms = delay.as_millis() as u64,
+                error = %err,
+                "model request failed; retrying"
+            );
+            let retry = RetryAfterFailure {
+                failed_attempt,
+                max_attempts: policy.max_attempts as i32,
+                delay_ms: delay.as_millis() as i64,
+                error,
+            };
+            runs::schedule_retry(store, lease, &attempt.texts(), retry).await?;
+            failpoints::hit("after_retry_scheduled");
+            // Any worker claims it when due (polling covers a crash); this
+            // one wakes its own process right on time.
+            let bus = store.bus().clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(delay).await;
+                bus.wake_workers();
+            });
+            Ok(())
         }
         Inference::Stopped(Stop::Cancelled) => {
             end(
                 store,
                 lease,
-                &begun,
-                &text,
-                EndCause::Cancelled,
-                None,
-                usage,
-                run.steps,
+                &attempt,
+                ended(EndCause::Cancelled, usage, run.steps),
             )
             .await
         }
-        Inference::Stopped(Stop::Shutdown) => runs::release(store, lease, &begun.part, &text).await,
+        Inference::Stopped(Stop::Shutdown) => runs::release(store, lease, &attempt.texts()).await,
         Inference::Stopped(Stop::LeaseLost) => Err(store::Error::Fenced),
     }
 }
 
-/// What has streamed into the open part.
-struct Streamed {
-    text: String,
-    persisted: usize,
-    cursor: crate::domain::cursor::Cursor,
+/// The parts an attempt streams into (in display order), and what it used.
+struct Attempt {
+    message_id: uuid::Uuid,
+    parts: Vec<Streaming>,
+    /// The newest persisted cursor, carried by live deltas.
+    cursor: Cursor,
     input_tokens: i64,
     output_tokens: i64,
 }
 
-impl Streamed {
-    fn new(begun: &Begun) -> Streamed {
-        Streamed {
-            text: String::new(),
-            persisted: 0,
+struct Streaming {
+    part: OpenPart,
+    text: String,
+    persisted: usize,
+}
+
+impl Attempt {
+    fn new(begun: &Begun) -> Attempt {
+        Attempt {
+            message_id: begun.part.message_id,
+            parts: vec![Streaming {
+                part: begun.part,
+                text: String::new(),
+                persisted: 0,
+            }],
             cursor: begun.cursor,
             input_tokens: 0,
             output_tokens: 0,
         }
     }
 
-    /// The run's usage with this inference added.
+    fn texts(&self) -> Vec<PartText> {
+        self.parts
+            .iter()
+            .map(|s| PartText {
+                part: s.part,
+                text: s.text.clone(),
+            })
+            .collect()
+    }
+
+    /// Parts with text not yet persisted.
+    fn unsaved(&self) -> Vec<PartText> {
+        self.parts
+            .iter()
+            .filter(|s| s.text.len() != s.persisted)
+            .map(|s| PartText {
+                part: s.part,
+                text: s.text.clone(),
+            })
+            .collect()
+    }
+
+    fn saved(&mut self) {
+        for streaming in &mut self.parts {
+            streaming.persisted = streaming.text.len();
+        }
+    }
+
+    fn find(&self, kind: PartKind) -> Option<usize> {
+        self.parts.iter().position(|s| s.part.kind == kind)
+    }
+
+    /// The run's usage with this attempt added.
     fn usage(&self, agent: &AgentConfig, run: &run::Model) -> Usage {
         let input = run.input_tokens + self.input_tokens;
         let output = run.output_tokens + self.output_tokens;
@@ -311,86 +313,159 @@ impl Streamed {
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-async fn infer(
-    store: &Store,
-    lease: &Lease,
-    part: &runs::OpenPart,
-    config: &FileConfig,
-    agent: &AgentConfig,
-    request: ModelRequest,
-    state: &mut Streamed,
-    control: &Control,
+/// Streams one inference into the attempt's parts.
+struct Stream<'a> {
+    store: &'a Store,
+    lease: &'a Lease,
+    checkpoint_every: Duration,
     deadline: Instant,
-) -> store::Result<Inference> {
-    let provider = providers::for_agent(agent);
-    let checkpoint_every = Duration::from_millis(config.runtime.checkpoint_ms);
-    let mut stream = tokio::select! {
-        started = provider.stream(request) => match started {
-            Ok(stream) => stream,
-            Err(err) => return Ok(Inference::Failed(err)),
-        },
-        () = control.token.cancelled() => return Ok(stopped(control)),
-        () = sleep_until(deadline) => return Ok(Inference::TimedOut),
-    };
-    let mut next_checkpoint: Option<Instant> = None;
-    loop {
-        let checkpoint_due = async {
-            match next_checkpoint {
-                Some(at) => sleep_until(at).await,
-                None => std::future::pending().await,
-            }
+    control: &'a Control,
+}
+
+impl Stream<'_> {
+    async fn infer(
+        &self,
+        agent: &AgentConfig,
+        request: ModelRequest,
+        attempt: &mut Attempt,
+    ) -> store::Result<Inference> {
+        let provider = providers::for_agent(agent);
+        let mut stream = tokio::select! {
+            started = provider.stream(request) => match started {
+                Ok(stream) => stream,
+                Err(err) => return Ok(Inference::Failed(err)),
+            },
+            () = self.control.token.cancelled() => return Ok(stopped(self.control)),
+            () = sleep_until(self.deadline) => return Ok(Inference::TimedOut),
         };
-        tokio::select! {
-            biased;
-            () = control.token.cancelled() => return Ok(stopped(control)),
-            () = sleep_until(deadline) => return Ok(Inference::TimedOut),
-            () = checkpoint_due => {
-                state.cursor = runs::checkpoint(store, lease, part, &state.text).await?;
-                state.persisted = state.text.len();
-                next_checkpoint = None;
-                failpoints::hit("after_checkpoint");
-            }
-            item = stream.next() => {
-                // Whatever else the model has already sent goes out in the
-                // same delta: fewer, larger frames, no added delay.
-                let mut items = vec![item];
-                while items.len() < MAX_COALESCED {
-                    match stream.next().now_or_never() {
-                        Some(next) => items.push(next),
-                        None => break,
-                    }
+        let mut next_checkpoint: Option<Instant> = None;
+        loop {
+            let checkpoint_due = async {
+                match next_checkpoint {
+                    Some(at) => sleep_until(at).await,
+                    None => std::future::pending().await,
                 }
-                let mut delta = String::new();
-                let mut outcome = None;
-                for item in items {
-                    match item {
-                        Some(Ok(ModelEvent::Text(chunk))) => delta.push_str(&chunk),
-                        Some(Ok(ModelEvent::Reasoning(_))) => {}
-                        Some(Ok(ModelEvent::Usage { input_tokens, output_tokens })) => {
-                            state.input_tokens = input_tokens;
-                            state.output_tokens = output_tokens;
-                        }
-                        Some(Ok(ModelEvent::Finished { .. })) | None => {
-                            outcome = Some(Inference::Done);
-                            break;
-                        }
-                        Some(Err(err)) => {
-                            outcome = Some(Inference::Failed(err));
-                            break;
+            };
+            tokio::select! {
+                biased;
+                () = self.control.token.cancelled() => return Ok(stopped(self.control)),
+                () = sleep_until(self.deadline) => return Ok(Inference::TimedOut),
+                () = checkpoint_due => {
+                    attempt.cursor = runs::checkpoint(self.store, self.lease, &attempt.unsaved()).await?;
+                    attempt.saved();
+                    next_checkpoint = None;
+                    failpoints::hit("after_checkpoint");
+                }
+                item = stream.next() => {
+                    // Whatever else the model has already sent goes out in
+                    // the same deltas: fewer, larger frames, no added delay.
+                    let mut items = vec![item];
+                    while items.len() < MAX_COALESCED {
+                        match stream.next().now_or_never() {
+                            Some(next) => items.push(next),
+                            None => break,
                         }
                     }
-                }
-                if !delta.is_empty() {
-                    publish_delta(store, lease, part, state, &delta);
-                    state.text.push_str(&delta);
-                    next_checkpoint.get_or_insert_with(|| Instant::now() + checkpoint_every);
-                }
-                if let Some(outcome) = outcome {
-                    return Ok(outcome);
+                    let mut text = String::new();
+                    let mut reasoning = String::new();
+                    let mut outcome = None;
+                    for item in items {
+                        match item {
+                            Some(Ok(ModelEvent::Text(chunk))) => text.push_str(&chunk),
+                            Some(Ok(ModelEvent::Reasoning(chunk))) => reasoning.push_str(&chunk),
+                            Some(Ok(ModelEvent::Usage { input_tokens, output_tokens })) => {
+                                attempt.input_tokens = input_tokens;
+                                attempt.output_tokens = output_tokens;
+                            }
+                            Some(Ok(ModelEvent::Finished { .. })) | None => {
+                                outcome = Some(Inference::Done);
+                                break;
+                            }
+                            Some(Err(err)) => {
+                                outcome = Some(Inference::Failed(err));
+                                break;
+                            }
+                        }
+                    }
+                    let mut grew = false;
+                    for (kind, delta) in [(PartKind::Reasoning, reasoning), (PartKind::Text, text)] {
+                        if !delta.is_empty() {
+                            self.append(attempt, kind, &delta).await?;
+                            grew = true;
+                        }
+                    }
+                    if grew {
+                        next_checkpoint.get_or_insert_with(|| Instant::now() + self.checkpoint_every);
+                    }
+                    if let Some(outcome) = outcome {
+                        return Ok(outcome);
+                    }
                 }
             }
         }
+    }
+
+    /// Adds streamed text to the attempt's part of `kind`, opening that part
+    /// first when there is none (reasoning before any text is shown before
+    /// the text), and sends the live delta.
+    async fn append(
+        &self,
+        attempt: &mut Attempt,
+        kind: PartKind,
+        delta: &str,
+    ) -> store::Result<()> {
+        let index = match attempt.find(kind) {
+            Some(index) => index,
+            None => {
+                let text_part = attempt.find(PartKind::Text);
+                let before = text_part
+                    .filter(|i| attempt.parts[*i].text.is_empty())
+                    .map(|i| attempt.parts[i].part);
+                let (opened, moved, cursor) = runs::open_part(
+                    self.store,
+                    self.lease,
+                    attempt.message_id,
+                    kind,
+                    before.as_ref(),
+                )
+                .await?;
+                attempt.cursor = cursor;
+                let streaming = Streaming {
+                    part: opened,
+                    text: String::new(),
+                    persisted: 0,
+                };
+                match (moved, text_part) {
+                    (Some(moved), Some(i)) => {
+                        attempt.parts[i].part = moved;
+                        attempt.parts.insert(i, streaming);
+                        i
+                    }
+                    _ => {
+                        attempt.parts.push(streaming);
+                        attempt.parts.len() - 1
+                    }
+                }
+            }
+        };
+        let streaming = &mut attempt.parts[index];
+        let event = Event {
+            conversation_id: self.lease.conversation_id,
+            cursor: attempt.cursor,
+            kind: EventKind::PartDelta,
+            run_id: Some(self.lease.run_id),
+            at: now_millis(),
+            body: EventBody::Delta {
+                message_id: streaming.part.message_id,
+                part_id: streaming.part.id,
+                offset: utf16_len(&streaming.text),
+                text: delta.to_owned(),
+            },
+        };
+        // A live, unpersisted delta: it carries the newest persisted cursor.
+        self.store.bus().publish(&[event]);
+        streaming.text.push_str(delta);
+        Ok(())
     }
 }
 
@@ -398,48 +473,26 @@ fn stopped(control: &Control) -> Inference {
     Inference::Stopped(control.reason().unwrap_or(Stop::Cancelled))
 }
 
-/// A live, unpersisted delta; it carries the newest persisted cursor.
-fn publish_delta(
-    store: &Store,
-    lease: &Lease,
-    part: &runs::OpenPart,
-    state: &Streamed,
-    chunk: &str,
-) {
-    let event = Event {
-        conversation_id: lease.conversation_id,
-        cursor: state.cursor,
-        kind: EventKind::PartDelta,
-        run_id: Some(lease.run_id),
-        at: now_millis(),
-        body: EventBody::Delta {
-            message_id: part.message_id,
-            part_id: part.id,
-            offset: utf16_len(&state.text),
-            text: chunk.to_owned(),
-        },
-    };
-    store.bus().publish(&[event]);
-}
-
-#[allow(clippy::too_many_arguments)]
-async fn end(
-    store: &Store,
-    lease: &Lease,
-    begun: &Begun,
-    text: &str,
-    cause: EndCause,
-    error: Option<RunError>,
-    usage: Usage,
-    steps: i32,
-) -> store::Result<()> {
-    let ending = Ending {
+fn ended(cause: EndCause, usage: Usage, steps: i32) -> Ending {
+    Ending {
         cause,
-        error,
+        error: None,
         usage,
         steps,
-    };
-    runs::finish(store, lease, &begun.part, text, ending).await?;
+    }
+}
+
+fn failed(cause: EndCause, message: String, usage: Usage, steps: i32) -> Ending {
+    Ending {
+        cause,
+        error: Some(run_error(cause, message)),
+        usage,
+        steps,
+    }
+}
+
+async fn end(store: &Store, lease: &Lease, attempt: &Attempt, ending: Ending) -> store::Result<()> {
+    runs::finish(store, lease, &attempt.texts(), ending).await?;
     failpoints::hit("after_finish");
     Ok(())
 }

@@ -42,6 +42,14 @@ pub struct OpenPart {
     pub id: Uuid,
     pub message_id: Uuid,
     pub index: i32,
+    pub kind: PartKind,
+}
+
+/// A streamed part with its text so far.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PartText {
+    pub part: OpenPart,
+    pub text: String,
 }
 
 /// What the worker knows after its first commit of a claim.
@@ -152,51 +160,98 @@ pub async fn begin(store: &Store, lease: &Lease) -> Result<Begun> {
             id: part.id,
             message_id,
             index: part.idx,
+            kind: PartKind::Text,
         },
         cursor,
     })
 }
 
-/// Persists the streamed text so far, with `part.updated`.
-pub async fn checkpoint(
-    store: &Store,
-    lease: &Lease,
-    part: &OpenPart,
-    text: &str,
-) -> Result<Cursor> {
+/// Persists the streamed text of these parts so far, each with
+/// `part.updated`.
+pub async fn checkpoint(store: &Store, lease: &Lease, parts: &[PartText]) -> Result<Cursor> {
     let (mut tx, conversation, row) = open(store, lease).await?;
-    let saved = update_part(&tx, part.id, text, PartState::Streaming).await?;
-    tx.append(
-        &conversation,
-        vec![part_event(
-            EventKind::PartUpdated,
-            &row,
-            &saved,
-            Some(utf16_len(text)),
-        )?],
-    )
-    .await?;
+    let events = save_parts(&tx, &row, parts, PartState::Streaming).await?;
+    tx.append(&conversation, events).await?;
     let committed = store.commit(tx).await?;
     Ok(committed.last().map_or(Cursor::START, |e| e.cursor))
 }
 
-/// The last commit of a run: the part's final text, the step's checkpoint,
-/// usage, the final status and the audit row, in one transaction.
+/// Writes the parts' texts in `state`, returning their `part.updated`.
+async fn save_parts(
+    tx: &WriteTx,
+    row: &run::Model,
+    parts: &[PartText],
+    state: PartState,
+) -> Result<Vec<NewEvent>> {
+    let mut events = Vec::with_capacity(parts.len());
+    for streamed in parts {
+        let saved = update_part(tx, streamed.part.id, &streamed.text, state).await?;
+        events.push(part_event(
+            EventKind::PartUpdated,
+            row,
+            &saved,
+            Some(utf16_len(&streamed.text)),
+        )?);
+    }
+    Ok(events)
+}
+
+/// Opens another streaming part in the run's message. With `before`, the new
+/// part takes that part's place and `before` moves one down (reasoning that
+/// starts before any text is shown before the text).
+pub async fn open_part(
+    store: &Store,
+    lease: &Lease,
+    message_id: Uuid,
+    kind: PartKind,
+    before: Option<&OpenPart>,
+) -> Result<(OpenPart, Option<OpenPart>, Cursor)> {
+    let (mut tx, conversation, row) = open(store, lease).await?;
+    let mut events = Vec::new();
+    let (index, moved) = match before {
+        Some(existing) => {
+            let moved = part::Entity::update_many()
+                .col_expr(part::Column::Idx, Expr::value(existing.index + 1))
+                .filter(part::Column::Id.eq(existing.id))
+                .exec_with_returning(&*tx)
+                .await?
+                .pop()
+                .ok_or(Error::NotFound)?;
+            let length = moved.text.as_deref().map(utf16_len);
+            events.push(part_event(EventKind::PartUpdated, &row, &moved, length)?);
+            let moved = OpenPart {
+                index: moved.idx,
+                ..*existing
+            };
+            (existing.index, Some(moved))
+        }
+        None => (next_index(&tx, message_id).await?, None),
+    };
+    let added = insert_part(&tx, &row, message_id, index, kind, PartState::Streaming, "").await?;
+    events.push(part_event(EventKind::PartAdded, &row, &added, Some(0))?);
+    tx.append(&conversation, events).await?;
+    let committed = store.commit(tx).await?;
+    let cursor = committed.last().map_or(Cursor::START, |e| e.cursor);
+    let opened = OpenPart {
+        id: added.id,
+        message_id,
+        index,
+        kind,
+    };
+    Ok((opened, moved, cursor))
+}
+
+/// The last commit of a run: the parts' final texts, the step's
+/// checkpoint, usage, the final status and the audit row, in one
+/// transaction.
 pub async fn finish(
     store: &Store,
     lease: &Lease,
-    part: &OpenPart,
-    text: &str,
+    parts: &[PartText],
     ending: Ending,
 ) -> Result<()> {
     let (mut tx, conversation, mut row) = open(store, lease).await?;
-    let saved = update_part(&tx, part.id, text, PartState::Done).await?;
-    let mut events = vec![part_event(
-        EventKind::PartUpdated,
-        &row,
-        &saved,
-        Some(utf16_len(text)),
-    )?];
+    let mut events = save_parts(&tx, &row, parts, PartState::Done).await?;
     events.push(NewEvent {
         kind: EventKind::RunCheckpointed,
         run_id: Some(row.id),
@@ -219,7 +274,7 @@ pub async fn finish(
             },
         });
     }
-    // The worker streams into one part at a time, closed just above.
+    // The worker's open parts are all closed just above.
     let events = end_closed(&tx, row, ending.cause, ending.error, events).await?;
     tx.append(&conversation, events).await?;
     store.commit(tx).await?;
@@ -228,9 +283,9 @@ pub async fn finish(
 
 /// Gives the run back to the queue (shutdown): the streamed text is kept,
 /// closed as an abandoned attempt, and another worker starts the step again.
-pub async fn release(store: &Store, lease: &Lease, part: &OpenPart, text: &str) -> Result<()> {
+pub async fn release(store: &Store, lease: &Lease, parts: &[PartText]) -> Result<()> {
     let (mut tx, conversation, row) = open(store, lease).await?;
-    update_part(&tx, part.id, text, PartState::Streaming).await?;
+    save_parts(&tx, &row, parts, PartState::Streaming).await?;
     let mut events = abandon_open_parts(&tx, row.id).await?;
     let to = transition(RunStatus::Running, RunInput::Requeue)
         .map_err(|e| Error::Conflict(e.to_string()))?;
@@ -266,12 +321,11 @@ pub struct RetryAfterFailure {
 pub async fn schedule_retry(
     store: &Store,
     lease: &Lease,
-    part: &OpenPart,
-    text: &str,
+    parts: &[PartText],
     retry: RetryAfterFailure,
 ) -> Result<i64> {
     let (mut tx, conversation, row) = open(store, lease).await?;
-    update_part(&tx, part.id, text, PartState::Streaming).await?;
+    save_parts(&tx, &row, parts, PartState::Streaming).await?;
     let notice = format!(
         "The model request failed ({}); attempt {} of {} follows.",
         retry.error.message,

@@ -343,3 +343,31 @@ pub fn openai_sse(pieces: &[&str], prompt_tokens: i64, completion_tokens: i64) -
     );
     sse + "data: [DONE]\n\n"
 }
+
+/// A Messages API stream with a thinking block (with its signature) before
+/// the text.
+pub fn anthropic_sse_thinking(thinking: &[&str], pieces: &[&str]) -> String {
+    let text_only = anthropic_sse(pieces, 10, 5);
+    let start = text_only.find("event: content_block_start").unwrap();
+    let mut thinking_block = sse_event(
+        "content_block_start",
+        json!({"type": "content_block_start", "index": 0, "content_block": {"type": "thinking", "thinking": ""}}),
+    );
+    for piece in thinking {
+        thinking_block += &sse_event(
+            "content_block_delta",
+            json!({"type": "content_block_delta", "index": 0, "delta": {"type": "thinking_delta", "thinking": piece}}),
+        );
+    }
+    thinking_block += &sse_event(
+        "content_block_delta",
+        json!({"type": "content_block_delta", "index": 0, "delta": {"type": "signature_delta", "signature": "c2lnbmF0dXJl"}}),
+    );
+    thinking_block += &sse_event(
+        "content_block_stop",
+        json!({"type": "content_block_stop", "index": 0}),
+    );
+    // The text block becomes index 1.
+    let rest = text_only[start..].replace("\"index\":0", "\"index\":1");
+    text_only[..start].to_owned() + &thinking_block + &rest
+}

@@ -6,7 +6,8 @@ use std::time::Duration;
 use serde_json::{Value, json};
 
 use crate::fakes::{
-    FakeProvider, KEY, Reply, Wire, anthropic_sse, anthropic_sse_failing, openai_sse,
+    FakeProvider, KEY, Reply, Wire, anthropic_sse, anthropic_sse_failing, anthropic_sse_thinking,
+    openai_sse,
 };
 use crate::support::{Server, ServerOptions};
 
@@ -356,4 +357,56 @@ price = {{ input_per_mtok = 3.0, output_per_mtok = 15.0 }}
         let parts = server.reply_parts(&token, &conversation, &run).await;
         assert_eq!(parts[0]["text"], "Long answer.");
     }
+}
+
+#[tokio::test]
+async fn thinking_streams_into_a_reasoning_part_before_the_text_and_stays_out_of_the_history() {
+    let fake = FakeProvider::start(Wire::Anthropic).await;
+    fake.script([
+        stream(
+            anthropic_sse_thinking(&["Let me ", "think."], &["The answer."]),
+            7,
+        ),
+        stream(anthropic_sse(&["Second answer."], 10, 5), 64),
+    ]);
+    let server = server_for(&fake, "anthropic").await;
+    let token = server.token("acme", "ada");
+    let conversation = server.create_conversation(&token).await;
+    let (_, run) = server.send(&token, &conversation, "Why?").await;
+    assert_eq!(
+        server.wait_until_ended(&token, &run).await["status"],
+        "COMPLETED"
+    );
+    let parts = server.reply_parts(&token, &conversation, &run).await;
+    let shown: Vec<(&str, &str, &str)> = parts
+        .iter()
+        .map(|p| {
+            (
+                p["kind"].as_str().unwrap(),
+                p["state"].as_str().unwrap(),
+                p["text"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        shown,
+        [
+            ("REASONING", "DONE", "Let me think."),
+            ("TEXT", "DONE", "The answer.")
+        ]
+    );
+    // The next request carries the reply, not the reasoning.
+    let (_, second) = server.send(&token, &conversation, "And?").await;
+    assert_eq!(
+        server.wait_until_ended(&token, &second).await["status"],
+        "COMPLETED"
+    );
+    let request = &fake.requests()[1];
+    let texts: Vec<&str> = request["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["content"][0]["text"].as_str().unwrap())
+        .collect();
+    assert_eq!(texts, ["Why?", "The answer.", "And?"]);
 }

@@ -33,6 +33,14 @@ provider = "scripted"
 stream_delay_ms = 0
 "#;
 
+/// The begun text part with `text` in it.
+fn texts(begun: &runs::Begun, text: &str) -> Vec<runs::PartText> {
+    vec![runs::PartText {
+        part: begun.part,
+        text: text.to_owned(),
+    }]
+}
+
 fn actor() -> Actor {
     Actor {
         tenant: "acme".into(),
@@ -169,7 +177,7 @@ async fn a_worker_whose_lease_was_taken_over_commits_nothing() {
         .remove(0);
     let lease_a = Lease::of(&first);
     let begun_a = runs::begin(&store, &lease_a).await.unwrap();
-    runs::checkpoint(&store, &lease_a, &begun_a.part, "from a")
+    runs::checkpoint(&store, &lease_a, &texts(&begun_a, "from a"))
         .await
         .unwrap();
 
@@ -205,9 +213,9 @@ async fn a_worker_whose_lease_was_taken_over_commits_nothing() {
     .await
     .unwrap();
     // A wakes up: every commit it tries is refused, and nothing changes.
-    let refused = runs::checkpoint(&store, &lease_a, &begun_a.part, "from a, later").await;
+    let refused = runs::checkpoint(&store, &lease_a, &texts(&begun_a, "from a, later")).await;
     assert!(matches!(refused, Err(Error::Fenced)), "{refused:?}");
-    let refused = runs::release(&store, &lease_a, &begun_a.part, "late").await;
+    let refused = runs::release(&store, &lease_a, &texts(&begun_a, "late")).await;
     assert!(matches!(refused, Err(Error::Fenced)), "{refused:?}");
     assert_eq!(
         queue::heartbeat(&store, &lease_a, 60_000).await.unwrap(),
@@ -231,7 +239,7 @@ async fn a_worker_whose_lease_was_taken_over_commits_nothing() {
     assert_eq!(part_a.state, "DONE", "closed when B took over");
 
     // B goes on.
-    runs::checkpoint(&store, &lease_b, &begun_b.part, "from b")
+    runs::checkpoint(&store, &lease_b, &texts(&begun_b, "from b"))
         .await
         .unwrap();
 }
