@@ -7,6 +7,7 @@ pub use sea_orm_migration::prelude::*;
 
 mod m0001_initial;
 mod m0002_runtime;
+mod m0003_summaries;
 
 pub struct Migrator;
 
@@ -16,6 +17,7 @@ impl MigratorTrait for Migrator {
         vec![
             Box::new(m0001_initial::Migration),
             Box::new(m0002_runtime::Migration),
+            Box::new(m0003_summaries::Migration),
         ]
     }
 }

@@ -12,7 +12,7 @@ use tokio::time::{Instant, sleep_until};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use super::{failpoints, history};
+use super::{compaction, failpoints, history};
 use crate::config::{AgentConfig, FileConfig, Limits};
 use crate::domain::PartKind;
 use crate::domain::cursor::Cursor;
@@ -20,10 +20,10 @@ use crate::domain::event::{Event, EventBody, EventKind};
 use crate::domain::retry::RetryPolicy;
 use crate::domain::run::{EndCause, RunError, Usage};
 use crate::domain::time::now_millis;
-use crate::providers::{self, ModelEvent, ModelRequest, ProviderError};
+use crate::providers::{self, ModelEvent, ModelRequest, Provider, ProviderError};
 use crate::store::entities::run;
 use crate::store::runs::{
-    self, Begun, Ending, Lease, OpenPart, PartText, RetryAfterFailure, utf16_len,
+    self, Begun, Compaction, Ending, Lease, OpenPart, PartText, RetryAfterFailure, utf16_len,
 };
 use crate::store::{self, Store};
 
@@ -145,11 +145,50 @@ async fn drive(
     }
     let deadline = Instant::now() + Duration::from_millis(remaining_ms as u64);
 
-    // Before inference: the history, from committed facts only.
+    // Before inference: the history, from committed facts only, compacted
+    // when it would exceed the context budget.
+    let provider = providers::for_agent(agent);
+    let mut history = history::load(store, run).await?;
+    if let Some(plan) = compaction::plan(&history, agent.system.as_deref(), &agent.context) {
+        let summarized = tokio::select! {
+            summarized = compaction::summarize(
+                provider.as_ref(),
+                agent.model_name(),
+                agent.max_tokens,
+                &history.turns[..plan.turns],
+            ) => Some(summarized),
+            () = control.token.cancelled() => None,
+        };
+        match summarized {
+            Some(Ok((text, input_tokens, output_tokens))) => {
+                let cost = cost(
+                    agent,
+                    attempt.base.input_tokens + input_tokens,
+                    attempt.base.output_tokens + output_tokens,
+                );
+                let compaction = Compaction {
+                    through_message_id: plan.through,
+                    messages_compacted: plan.messages as i32,
+                    text,
+                    input_tokens,
+                    output_tokens,
+                };
+                let (usage, cursor) =
+                    runs::record_compaction(store, lease, compaction, cost).await?;
+                attempt.base = usage;
+                attempt.cursor = cursor;
+                history = history::load(store, run).await?;
+            }
+            Some(Err(err)) => {
+                tracing::warn!(error = %err, "compaction failed; sending the whole history");
+            }
+            None => {}
+        }
+    }
     let request = ModelRequest {
         model: agent.model_name().to_owned(),
         system: agent.system.clone(),
-        turns: history::turns(store, run).await?,
+        turns: history.turns,
         max_tokens: agent.max_tokens,
         attempt: run.attempt.max(1) as u32,
     };
@@ -162,11 +201,13 @@ async fn drive(
         deadline,
         control,
     };
-    let inference = stream.infer(agent, request, &mut attempt).await?;
+    let inference = stream
+        .infer(provider.as_ref(), request, &mut attempt)
+        .await?;
 
     // After inference, step end, run end.
     let steps = run.steps + 1;
-    let usage = attempt.usage(agent, run);
+    let usage = attempt.usage(agent);
     match inference {
         Inference::Done => {
             let ending = match over_ceiling(limits, &usage) {
@@ -237,6 +278,8 @@ async fn drive(
 
 /// The parts an attempt streams into (in display order), and what it used.
 struct Attempt {
+    /// The run's usage before this inference.
+    base: Usage,
     message_id: uuid::Uuid,
     parts: Vec<Streaming>,
     /// The newest persisted cursor, carried by live deltas.
@@ -254,6 +297,7 @@ struct Streaming {
 impl Attempt {
     fn new(begun: &Begun) -> Attempt {
         Attempt {
+            base: usage_of(&begun.run),
             message_id: begun.part.message_id,
             parts: vec![Streaming {
                 part: begun.part,
@@ -299,16 +343,13 @@ impl Attempt {
     }
 
     /// The run's usage with this attempt added.
-    fn usage(&self, agent: &AgentConfig, run: &run::Model) -> Usage {
-        let input = run.input_tokens + self.input_tokens;
-        let output = run.output_tokens + self.output_tokens;
-        let cost = agent.price.as_ref().map_or(0.0, |p| {
-            (input as f64 * p.input_per_mtok + output as f64 * p.output_per_mtok) / 1_000_000.0
-        });
+    fn usage(&self, agent: &AgentConfig) -> Usage {
+        let input = self.base.input_tokens + self.input_tokens;
+        let output = self.base.output_tokens + self.output_tokens;
         Usage {
             input_tokens: input,
             output_tokens: output,
-            cost_usd: cost,
+            cost_usd: cost(agent, input, output),
         }
     }
 }
@@ -325,11 +366,10 @@ struct Stream<'a> {
 impl Stream<'_> {
     async fn infer(
         &self,
-        agent: &AgentConfig,
+        provider: &dyn Provider,
         request: ModelRequest,
         attempt: &mut Attempt,
     ) -> store::Result<Inference> {
-        let provider = providers::for_agent(agent);
         let mut stream = tokio::select! {
             started = provider.stream(request) => match started {
                 Ok(stream) => stream,
@@ -495,6 +535,14 @@ async fn end(store: &Store, lease: &Lease, attempt: &Attempt, ending: Ending) ->
     runs::finish(store, lease, &attempt.texts(), ending).await?;
     failpoints::hit("after_finish");
     Ok(())
+}
+
+/// Dollars for these totals at the agent's price.
+fn cost(agent: &AgentConfig, input_tokens: i64, output_tokens: i64) -> f64 {
+    agent.price.as_ref().map_or(0.0, |p| {
+        (input_tokens as f64 * p.input_per_mtok + output_tokens as f64 * p.output_per_mtok)
+            / 1_000_000.0
+    })
 }
 
 fn usage_of(run: &run::Model) -> Usage {

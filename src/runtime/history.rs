@@ -2,17 +2,30 @@
 
 use std::collections::HashSet;
 
+use sea_orm::{ColumnTrait, EntityTrait, QueryFilter, QueryOrder};
 use uuid::Uuid;
 
 use crate::domain::{MessageRole, PartKind};
 use crate::providers::Turn;
-use crate::store::entities::run;
+use crate::store::entities::{run, summary};
 use crate::store::{Result, Store, parse_stored, reads};
 
-/// The turns the run's model request is built from: every user message up to
-/// the run's own, and the text replies of the runs before it. Abandoned
-/// attempts, notices and errors are shown to people, never to the model.
-pub async fn turns(store: &Store, run: &run::Model) -> Result<Vec<Turn>> {
+/// The opening of the turn that stands in for compacted messages.
+pub const SUMMARY_HEADING: &str = "Summary of the earlier conversation:";
+
+/// The turns for a run's model request, with the message each came from
+/// (`None` for a summary standing in for older ones).
+#[derive(Debug, Clone, Default)]
+pub struct History {
+    pub turns: Vec<Turn>,
+    pub sources: Vec<Option<Uuid>>,
+}
+
+/// Every user message up to the run's own and the text replies of the runs
+/// before it; messages covered by the latest summary are replaced by it.
+/// Abandoned attempts, reasoning, notices and errors are shown to people,
+/// never to the model.
+pub async fn load(store: &Store, run: &run::Model) -> Result<History> {
     let db = store.db();
     let runs = reads::runs_of(db, &run.tenant, run.conversation_id).await?;
     let visible_runs: HashSet<Uuid> = runs
@@ -20,11 +33,31 @@ pub async fn turns(store: &Store, run: &run::Model) -> Result<Vec<Turn>> {
         .filter(|r| r.trigger_message_id <= run.trigger_message_id)
         .map(|r| r.id)
         .collect();
+    let latest_summary = summary::Entity::find()
+        .filter(summary::Column::Tenant.eq(run.tenant.as_str()))
+        .filter(summary::Column::ConversationId.eq(run.conversation_id))
+        .filter(summary::Column::ThroughMessageId.lt(run.trigger_message_id))
+        .order_by_desc(summary::Column::Id)
+        .one(db)
+        .await?;
     let messages = reads::messages(db, &run.tenant, run.conversation_id, None, None).await?;
     let ids: Vec<Uuid> = messages.iter().map(|m| m.id).collect();
     let mut parts = reads::parts_of(db, &run.tenant, &ids).await?;
-    let mut turns = Vec::new();
+    let mut history = History::default();
+    if let Some(summary) = &latest_summary {
+        history.turns.push(Turn {
+            role: MessageRole::User,
+            text: format!("{SUMMARY_HEADING}\n{}", summary.text),
+        });
+        history.sources.push(None);
+    }
     for message in messages {
+        if latest_summary
+            .as_ref()
+            .is_some_and(|s| message.id <= s.through_message_id)
+        {
+            continue;
+        }
         let role: MessageRole = parse_stored(&message.role, "message role")?;
         let included = match role {
             MessageRole::User => message.id <= run.trigger_message_id,
@@ -41,8 +74,9 @@ pub async fn turns(store: &Store, run: &run::Model) -> Result<Vec<Turn>> {
             }
         }
         if !text.is_empty() {
-            turns.push(Turn { role, text });
+            history.turns.push(Turn { role, text });
+            history.sources.push(Some(message.id));
         }
     }
-    Ok(turns)
+    Ok(history)
 }

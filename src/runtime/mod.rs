@@ -1,6 +1,7 @@
 //! Workers: claim queued runs, hold them under heartbeats, recover runs
 //! whose worker died, and stop cleanly on shutdown.
 
+pub mod compaction;
 pub mod engine;
 pub mod failpoints;
 pub mod history;

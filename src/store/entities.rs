@@ -171,3 +171,30 @@ pub mod run_audit {
 
     impl ActiveModelBehavior for ActiveModel {}
 }
+
+pub mod summary {
+    use sea_orm::entity::prelude::*;
+
+    /// A summary standing in for a conversation's messages up to
+    /// `through_message_id` in the model's history.
+    #[derive(Clone, Debug, PartialEq, DeriveEntityModel)]
+    #[sea_orm(table_name = "summaries")]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub id: Uuid,
+        pub conversation_id: Uuid,
+        pub tenant: String,
+        pub run_id: Uuid,
+        pub through_message_id: Uuid,
+        pub messages_compacted: i32,
+        pub text: String,
+        pub input_tokens: i64,
+        pub output_tokens: i64,
+        pub created_at: i64,
+    }
+
+    #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]
+    pub enum Relation {}
+
+    impl ActiveModelBehavior for ActiveModel {}
+}

@@ -8,7 +8,7 @@ use sea_orm::sea_query::Expr;
 use sea_orm::{ActiveModelTrait, ColumnTrait, EntityTrait, QueryFilter, QueryOrder, QuerySelect};
 use uuid::Uuid;
 
-use super::entities::{message, part, run, run_audit};
+use super::entities::{message, part, run, run_audit, summary};
 use super::{Error, Result, Store, WriteTx, parse_stored};
 use crate::domain::cursor::Cursor;
 use crate::domain::event::{EventBody, EventKind, NewEvent};
@@ -301,6 +301,70 @@ pub async fn release(store: &Store, lease: &Lease, parts: &[PartText]) -> Result
     tx.append(&conversation, events).await?;
     store.commit(tx).await?;
     Ok(())
+}
+
+/// A summary of older messages, made by the run's model.
+#[derive(Debug, Clone)]
+pub struct Compaction {
+    pub through_message_id: Uuid,
+    pub messages_compacted: i32,
+    pub text: String,
+    pub input_tokens: i64,
+    pub output_tokens: i64,
+}
+
+/// Commits a summary that replaces older messages in the model's history,
+/// with its usage added to the run's, `context.compacted` and
+/// `usage.updated`. Returns the run's usage now.
+pub async fn record_compaction(
+    store: &Store,
+    lease: &Lease,
+    compaction: Compaction,
+    cost_usd: f64,
+) -> Result<(Usage, Cursor)> {
+    let (mut tx, conversation, row) = open(store, lease).await?;
+    summary::ActiveModel {
+        id: Set(Uuid::now_v7()),
+        conversation_id: Set(row.conversation_id),
+        tenant: Set(row.tenant.clone()),
+        run_id: Set(row.id),
+        through_message_id: Set(compaction.through_message_id),
+        messages_compacted: Set(compaction.messages_compacted),
+        text: Set(compaction.text),
+        input_tokens: Set(compaction.input_tokens),
+        output_tokens: Set(compaction.output_tokens),
+        created_at: Set(now_millis()),
+    }
+    .insert(&*tx)
+    .await?;
+    let usage = Usage {
+        input_tokens: row.input_tokens + compaction.input_tokens,
+        output_tokens: row.output_tokens + compaction.output_tokens,
+        cost_usd,
+    };
+    let run_id = row.id;
+    let mut active: run::ActiveModel = row.into();
+    active.input_tokens = Set(usage.input_tokens);
+    active.output_tokens = Set(usage.output_tokens);
+    active.cost_usd = Set(usage.cost_usd);
+    active.update(&*tx).await?;
+    let events = vec![
+        NewEvent {
+            kind: EventKind::ContextCompacted,
+            run_id: Some(run_id),
+            body: EventBody::ContextCompacted {
+                messages_compacted: i64::from(compaction.messages_compacted),
+            },
+        },
+        NewEvent {
+            kind: EventKind::UsageUpdated,
+            run_id: Some(run_id),
+            body: EventBody::Usage { usage },
+        },
+    ];
+    tx.append(&conversation, events).await?;
+    let committed = store.commit(tx).await?;
+    Ok((usage, committed.last().map_or(Cursor::START, |e| e.cursor)))
 }
 
 /// A failed attempt of a model request, to be tried again.

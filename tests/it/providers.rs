@@ -410,3 +410,106 @@ async fn thinking_streams_into_a_reasoning_part_before_the_text_and_stays_out_of
         .collect();
     assert_eq!(texts, ["Why?", "The answer.", "And?"]);
 }
+
+#[tokio::test]
+async fn a_long_history_is_compacted_once_and_the_next_request_fits_the_budget() {
+    let fake = FakeProvider::start(Wire::Anthropic).await;
+    let config = format!(
+        r#"
+[[agents]]
+name = "model"
+provider = "anthropic"
+model = "fake-model"
+base_url = "{base}"
+api_key_env = "TETHER_TEST_PROVIDER_KEY"
+
+[agents.context]
+budget_tokens = 60
+keep_recent_messages = 2
+"#,
+        base = fake.base_url
+    );
+    let server = Server::start_with(ServerOptions {
+        config,
+        env: vec![("TETHER_TEST_PROVIDER_KEY".into(), KEY.into())],
+        role: "all",
+    })
+    .await;
+    let token = server.token("acme", "ada");
+    let conversation = server.create_conversation(&token).await;
+    let mut runs = Vec::new();
+    for i in 1..=3 {
+        let text = format!("message {i}: {}", "words ".repeat(15));
+        let (_, run) = server.send(&token, &conversation, &text).await;
+        assert_eq!(
+            server.wait_until_ended(&token, &run).await["status"],
+            "COMPLETED"
+        );
+        runs.push(run);
+    }
+
+    let events = events(&server, &token, &conversation).await;
+    let compacted: Vec<&Value> = of_type(&events, "context.compacted");
+    assert_eq!(compacted.len(), 1, "compacted once");
+    assert_eq!(compacted[0]["runId"], runs[2].as_str());
+    let compacted = server
+        .gql(
+            &token,
+            "query($c: ID!) { events(conversationId: $c, first: 1000) { events { type ... on ContextCompacted { messagesCompacted } } } }",
+            json!({ "c": conversation }),
+        )
+        .await;
+    let count = compacted["events"]["events"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["type"] == "context.compacted")
+        .unwrap()["messagesCompacted"]
+        .clone();
+    assert_eq!(count, 3);
+
+    // Requests: run 1, run 2, the summary, run 3.
+    let requests = fake.requests();
+    assert_eq!(requests.len(), 4);
+    let summary_request = requests[2]["messages"].as_array().unwrap();
+    let last = summary_request.last().unwrap()["content"][0]["text"]
+        .as_str()
+        .unwrap();
+    assert!(last.contains("Summarize the conversation above"), "{last}");
+    let main = requests[3]["messages"].as_array().unwrap();
+    let first = main[0]["content"][0]["text"].as_str().unwrap();
+    assert!(
+        first.starts_with("Summary of the earlier conversation:"),
+        "{first}"
+    );
+    let estimate: usize = main
+        .iter()
+        .map(|m| {
+            m["content"][0]["text"]
+                .as_str()
+                .unwrap()
+                .chars()
+                .count()
+                .div_ceil(4)
+        })
+        .sum();
+    assert!(estimate <= 60, "the request fits the budget: {estimate}");
+
+    // The original messages stay readable, and the summary's usage counts.
+    let data = server
+        .gql(
+            &token,
+            "query($c: ID!) { conversation(id: $c) { messages { role } } }",
+            json!({ "c": conversation }),
+        )
+        .await;
+    assert_eq!(
+        data["conversation"]["messages"].as_array().unwrap().len(),
+        6
+    );
+    let third = server.wait_until_ended(&token, &runs[2]).await;
+    assert_eq!(
+        third["usage"]["inputTokens"], 20,
+        "summary and reply: {third}"
+    );
+}

@@ -1,0 +1,131 @@
+//! Context compaction: before a request whose estimated input would exceed
+//! the agent's `context.budget_tokens`, the older turns (all but the last
+//! `keep_recent_messages`) are summarized by the agent's own model, and the
+//! summary stands in for them from then on.
+//!
+//! The estimate is documented and deliberately simple: characters / 4,
+//! rounded up, over the system prompt and every turn.
+
+use futures_util::StreamExt;
+use uuid::Uuid;
+
+use super::history::History;
+use crate::config::ContextConfig;
+use crate::domain::MessageRole;
+use crate::providers::{ModelEvent, ModelRequest, Provider, ProviderError, Turn};
+
+const INSTRUCTION: &str = "Summarize the conversation above for your own later use: keep every \
+    fact, decision, name, number and open question that a continuation needs; leave out \
+    pleasantries. Answer with the summary only.";
+
+pub fn estimate_tokens(text: &str) -> u64 {
+    (text.chars().count() as u64).div_ceil(4)
+}
+
+pub fn estimate_request(system: Option<&str>, turns: &[Turn]) -> u64 {
+    system.map_or(0, estimate_tokens) + turns.iter().map(|t| estimate_tokens(&t.text)).sum::<u64>()
+}
+
+/// Which leading turns to summarize.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Plan {
+    pub turns: usize,
+    /// The newest message the summary covers.
+    pub through: Uuid,
+    /// How many messages it replaces (an earlier summary not counted).
+    pub messages: usize,
+}
+
+pub fn plan(history: &History, system: Option<&str>, context: &ContextConfig) -> Option<Plan> {
+    if estimate_request(system, &history.turns) <= context.budget_tokens {
+        return None;
+    }
+    let keep = context.keep_recent_messages as usize;
+    let turns = history.turns.len().checked_sub(keep)?;
+    let covered = &history.sources[..turns];
+    let through = covered.iter().rev().find_map(|s| *s)?;
+    Some(Plan {
+        turns,
+        through,
+        messages: covered.iter().filter(|s| s.is_some()).count(),
+    })
+}
+
+/// The summary's text and its usage (input, output tokens).
+pub async fn summarize(
+    provider: &dyn Provider,
+    model: &str,
+    max_tokens: u32,
+    turns: &[Turn],
+) -> Result<(String, i64, i64), ProviderError> {
+    let mut turns = turns.to_vec();
+    turns.push(Turn {
+        role: MessageRole::User,
+        text: INSTRUCTION.to_owned(),
+    });
+    let request = ModelRequest {
+        model: model.to_owned(),
+        system: None,
+        turns,
+        max_tokens,
+        attempt: 1,
+    };
+    let mut stream = provider.stream(request).await?;
+    let (mut text, mut input, mut output) = (String::new(), 0, 0);
+    while let Some(event) = stream.next().await {
+        match event? {
+            ModelEvent::Text(chunk) => text.push_str(&chunk),
+            ModelEvent::Usage {
+                input_tokens,
+                output_tokens,
+            } => (input, output) = (input_tokens, output_tokens),
+            ModelEvent::Finished { .. } => break,
+            ModelEvent::Reasoning(_) => {}
+        }
+    }
+    Ok((text, input, output))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn history(lengths: &[usize]) -> History {
+        let mut history = History::default();
+        for (i, len) in lengths.iter().enumerate() {
+            history.turns.push(Turn {
+                role: if i % 2 == 0 {
+                    MessageRole::User
+                } else {
+                    MessageRole::Assistant
+                },
+                text: "x".repeat(*len),
+            });
+            history.sources.push(Some(Uuid::from_u128(i as u128 + 1)));
+        }
+        history
+    }
+
+    #[test]
+    fn compacts_older_turns_only_over_budget() {
+        let context = ContextConfig {
+            budget_tokens: 100,
+            keep_recent_messages: 2,
+        };
+        assert_eq!(plan(&history(&[100, 100, 100]), None, &context), None);
+        let plan = plan(&history(&[200, 200, 40, 40]), None, &context).unwrap();
+        assert_eq!(plan.turns, 2);
+        assert_eq!(plan.messages, 2);
+        assert_eq!(plan.through, Uuid::from_u128(2));
+        assert_eq!(estimate_tokens("abcde"), 2);
+    }
+
+    #[test]
+    fn nothing_to_compact_when_every_turn_is_recent() {
+        let context = ContextConfig {
+            budget_tokens: 10,
+            keep_recent_messages: 8,
+        };
+        assert_eq!(plan(&history(&[400, 400]), None, &context), None);
+    }
+}
