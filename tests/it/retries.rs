@@ -1,23 +1,6 @@
 //! The retry policy end to end, with the scripted model's `/fail STATUS`.
 
-use serde_json::{Value, json};
-
-use crate::support::{Server, WORKER_CONFIG};
-
-const RETRY_EVENTS: &str = "query($c: ID!) { events(conversationId: $c, first: 1000) { events { cursor type runId at ... on RunRetryPending { attempt maxAttempts delayMs nextAttemptAt error { code message httpStatus retryable } } } } }";
-
-async fn events(server: &Server, token: &str, conversation: &str) -> Vec<Value> {
-    server
-        .gql(token, RETRY_EVENTS, json!({ "c": conversation }))
-        .await["events"]["events"]
-        .as_array()
-        .unwrap()
-        .clone()
-}
-
-fn of_type<'a>(events: &'a [Value], kind: &str) -> Vec<&'a Value> {
-    events.iter().filter(|e| e["type"] == kind).collect()
-}
+use crate::support::{Server, WORKER_CONFIG, events_with_retries as events, of_type};
 
 #[tokio::test]
 async fn a_rate_limited_attempt_waits_for_retry_after_then_succeeds() {

@@ -631,6 +631,25 @@ impl WsClient {
     }
 }
 
+/// Every event of a conversation with the fields of retries.
+pub async fn events_with_retries(server: &Server, token: &str, conversation: &str) -> Vec<Value> {
+    server
+        .gql(
+            token,
+            "query($c: ID!) { events(conversationId: $c, first: 1000) { events { cursor type runId at ... on RunRetryPending { attempt maxAttempts delayMs nextAttemptAt error { code message httpStatus retryable } } ... on ContextCompacted { messagesCompacted } } } }",
+            json!({ "c": conversation }),
+        )
+        .await["events"]["events"]
+        .as_array()
+        .unwrap()
+        .clone()
+}
+
+/// The events of one type.
+pub fn of_type<'a>(events: &'a [Value], kind: &str) -> Vec<&'a Value> {
+    events.iter().filter(|e| e["type"] == kind).collect()
+}
+
 /// `"2026-11-29T13:48:34.123Z"`: UTC, `Z`, exactly milliseconds.
 pub fn assert_datetime(value: &Value) {
     let text = value
