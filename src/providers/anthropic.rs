@@ -1,7 +1,5 @@
 //! Anthropic's Messages API, streaming.
 
-use std::time::Duration;
-
 use futures_util::StreamExt;
 use serde_json::{Value, json};
 
@@ -11,11 +9,7 @@ use crate::domain::MessageRole;
 pub const DEFAULT_BASE_URL: &str = "https://api.anthropic.com";
 const VERSION: &str = "2023-06-01";
 
-pub struct Anthropic {
-    pub base_url: String,
-    pub api_key: Option<String>,
-    pub idle_timeout: Duration,
-}
+pub struct Anthropic(pub http::Endpoint);
 
 /// The provider's error type and message from an error body.
 fn describe(body: &Value) -> Option<(String, String)> {
@@ -66,19 +60,19 @@ pub fn body(request: &ModelRequest) -> Value {
 #[async_trait::async_trait]
 impl Provider for Anthropic {
     async fn stream(&self, request: ModelRequest) -> Result<ModelStream, ProviderError> {
-        let key = self.api_key.clone().ok_or_else(|| {
+        let key = self.0.api_key.clone().ok_or_else(|| {
             ProviderError::Unavailable(
                 "no Anthropic API key: set ANTHROPIC_API_KEY or the agent's api_key_env".into(),
             )
         })?;
-        let url = format!("{}/v1/messages", self.base_url.trim_end_matches('/'));
+        let url = format!("{}/v1/messages", self.0.base_url.trim_end_matches('/'));
         let builder = http::client()?
             .post(url)
             .header("x-api-key", key)
             .header("anthropic-version", VERSION)
             .json(&body(&request));
         let response = http::send(builder, describe).await?;
-        let mut events = Box::pin(http::events(response, self.idle_timeout));
+        let mut events = Box::pin(http::events(response, self.0.idle_timeout));
         let stream = async_stream::stream! {
             let mut input_tokens = 0;
             let mut output_tokens;

@@ -12,6 +12,16 @@ use super::ProviderError;
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// Where an HTTP provider is and how to reach it.
+#[derive(Debug, Clone)]
+pub struct Endpoint {
+    pub base_url: String,
+    /// Local OpenAI-compatible servers often need none.
+    pub api_key: Option<String>,
+    /// Longest silence allowed between two chunks of a response.
+    pub idle_timeout: Duration,
+}
+
 /// Chooses the process's TLS backend (ring), once; needed before any
 /// reqwest client is built. Another choice made earlier stands.
 pub fn install_tls() {

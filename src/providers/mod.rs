@@ -96,26 +96,31 @@ pub trait Provider: Send + Sync {
     async fn stream(&self, request: ModelRequest) -> Result<ModelStream, ProviderError>;
 }
 
+fn endpoint(agent: &AgentConfig, default_base: &str, idle_timeout: Duration) -> http::Endpoint {
+    http::Endpoint {
+        base_url: agent
+            .base_url
+            .clone()
+            .unwrap_or_else(|| default_base.to_owned()),
+        api_key: agent.api_key.clone(),
+        idle_timeout,
+    }
+}
+
 /// The provider an agent is configured with.
 pub fn for_agent(agent: &AgentConfig) -> Arc<dyn Provider> {
     let idle_timeout = Duration::from_secs(agent.idle_timeout_secs);
     match agent.provider {
         ProviderKind::Scripted => Arc::new(scripted::Scripted::new(agent.stream_delay_ms)),
-        ProviderKind::Anthropic => Arc::new(anthropic::Anthropic {
-            base_url: agent
-                .base_url
-                .clone()
-                .unwrap_or_else(|| anthropic::DEFAULT_BASE_URL.to_owned()),
-            api_key: agent.api_key.clone(),
+        ProviderKind::Anthropic => Arc::new(anthropic::Anthropic(endpoint(
+            agent,
+            anthropic::DEFAULT_BASE_URL,
             idle_timeout,
-        }),
-        ProviderKind::Openai => Arc::new(openai::OpenAi {
-            base_url: agent
-                .base_url
-                .clone()
-                .unwrap_or_else(|| openai::DEFAULT_BASE_URL.to_owned()),
-            api_key: agent.api_key.clone(),
+        ))),
+        ProviderKind::Openai => Arc::new(openai::OpenAi(endpoint(
+            agent,
+            openai::DEFAULT_BASE_URL,
             idle_timeout,
-        }),
+        ))),
     }
 }

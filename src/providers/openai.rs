@@ -1,8 +1,6 @@
 //! OpenAI-compatible chat completions, streaming (OpenAI, Ollama, vLLM,
 //! llama.cpp server, LiteLLM, OpenRouter, …).
 
-use std::time::Duration;
-
 use futures_util::StreamExt;
 use serde_json::{Value, json};
 
@@ -11,12 +9,7 @@ use crate::domain::MessageRole;
 
 pub const DEFAULT_BASE_URL: &str = "https://api.openai.com";
 
-pub struct OpenAi {
-    pub base_url: String,
-    /// Local servers often need none.
-    pub api_key: Option<String>,
-    pub idle_timeout: Duration,
-}
+pub struct OpenAi(pub http::Endpoint);
 
 fn describe(body: &Value) -> Option<(String, String)> {
     let error = body.get("error")?;
@@ -66,13 +59,13 @@ pub fn body(request: &ModelRequest) -> Value {
 impl Provider for OpenAi {
     async fn stream(&self, request: ModelRequest) -> Result<ModelStream, ProviderError> {
         let mut builder = http::client()?
-            .post(endpoint(&self.base_url))
+            .post(endpoint(&self.0.base_url))
             .json(&body(&request));
-        if let Some(key) = &self.api_key {
+        if let Some(key) = &self.0.api_key {
             builder = builder.bearer_auth(key);
         }
         let response = http::send(builder, describe).await?;
-        let mut events = Box::pin(http::events(response, self.idle_timeout));
+        let mut events = Box::pin(http::events(response, self.0.idle_timeout));
         let stream = async_stream::stream! {
             let mut stop_reason: Option<String> = None;
             while let Some(event) = events.next().await {
