@@ -5,6 +5,7 @@ pub mod event;
 pub mod retry;
 pub mod run;
 pub mod time;
+pub mod tool_call;
 
 /// Declares an enum stored in the database by a stable upper-case name, and
 /// exposed to GraphQL under the same names.

@@ -1,0 +1,231 @@
+//! A tool call's life: the state machine the tools issue builds on.
+//!
+//! REQUESTED → EXECUTING{attempt} → COMPLETED (with an outcome), or
+//! AWAITING a person first, or INDETERMINATE when a call that must not be
+//! replayed was cut off mid-flight. Recovery never turns EXECUTING back
+//! into REQUESTED, and a terminal call never moves again.
+
+use super::stored_enum;
+
+stored_enum!(
+    /// Where a tool call is.
+    ToolCallStatus {
+        Requested => "REQUESTED",
+        Executing => "EXECUTING",
+        Awaiting => "AWAITING",
+        Completed => "COMPLETED",
+        Indeterminate => "INDETERMINATE",
+    }
+);
+
+stored_enum!(
+    /// How a finished tool call came out.
+    ToolOutcome {
+        Succeeded => "SUCCEEDED",
+        Failed => "FAILED",
+        Denied => "DENIED",
+        Expired => "EXPIRED",
+        Interrupted => "INTERRUPTED",
+        NotStarted => "NOT_STARTED",
+        Unknown => "UNKNOWN",
+    }
+);
+
+/// A tool call's state: its status, how many times its effect was started,
+/// and its outcome once it has one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ToolCallState {
+    pub status: ToolCallStatus,
+    /// EXECUTING commits so far; 0 = never started.
+    pub attempt: u32,
+    pub outcome: Option<ToolOutcome>,
+}
+
+/// Everything that moves a tool call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ToolInput {
+    /// Its effect is about to start (committed before it does).
+    Start,
+    /// The effect answered: success or a failure the model can read.
+    Finish { succeeded: bool },
+    /// It needs a person (approval, question, connection) first.
+    Await,
+    /// The person allowed it: it may start.
+    Allow,
+    /// The person refused, or the wait expired.
+    Refuse { expired: bool },
+    /// The run was cancelled around it.
+    Cancel,
+    /// Its worker died; `replayable` for tools declared idempotent.
+    Recover { replayable: bool },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("a {from} tool call cannot take {input:?}")]
+pub struct IllegalToolTransition {
+    pub from: ToolCallStatus,
+    pub input: ToolInput,
+}
+
+impl ToolCallState {
+    pub const REQUESTED: ToolCallState = ToolCallState {
+        status: ToolCallStatus::Requested,
+        attempt: 0,
+        outcome: None,
+    };
+
+    pub fn is_terminal(self) -> bool {
+        matches!(
+            self.status,
+            ToolCallStatus::Completed | ToolCallStatus::Indeterminate
+        )
+    }
+
+    fn completed(self, outcome: ToolOutcome) -> ToolCallState {
+        ToolCallState {
+            status: ToolCallStatus::Completed,
+            outcome: Some(outcome),
+            ..self
+        }
+    }
+
+    fn executing(self) -> ToolCallState {
+        ToolCallState {
+            status: ToolCallStatus::Executing,
+            attempt: self.attempt + 1,
+            outcome: None,
+        }
+    }
+
+    pub fn apply(self, input: ToolInput) -> Result<ToolCallState, IllegalToolTransition> {
+        use ToolCallStatus::*;
+        let next = match (self.status, input) {
+            (Requested, ToolInput::Start) => self.executing(),
+            (Executing, ToolInput::Finish { succeeded: true }) => {
+                self.completed(ToolOutcome::Succeeded)
+            }
+            (Executing, ToolInput::Finish { succeeded: false }) => {
+                self.completed(ToolOutcome::Failed)
+            }
+            (Requested, ToolInput::Await) => ToolCallState {
+                status: Awaiting,
+                ..self
+            },
+            (Awaiting, ToolInput::Allow) => ToolCallState {
+                status: Requested,
+                ..self
+            },
+            (Awaiting, ToolInput::Refuse { expired: false }) => self.completed(ToolOutcome::Denied),
+            (Awaiting, ToolInput::Refuse { expired: true }) => self.completed(ToolOutcome::Expired),
+            (Requested | Awaiting, ToolInput::Cancel) => self.completed(ToolOutcome::NotStarted),
+            (Executing, ToolInput::Cancel) => self.completed(ToolOutcome::Interrupted),
+            // Not started yet: it simply runs later.
+            (Requested | Awaiting, ToolInput::Recover { .. }) => self,
+            // Replayed with the same idempotency key, counted as an attempt.
+            (Executing, ToolInput::Recover { replayable: true }) => self.executing(),
+            // May or may not have happened: said once, never repeated.
+            (Executing, ToolInput::Recover { replayable: false }) => ToolCallState {
+                status: Indeterminate,
+                outcome: Some(ToolOutcome::Unknown),
+                ..self
+            },
+            (from, input) => return Err(IllegalToolTransition { from, input }),
+        };
+        Ok(next)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn inputs() -> Vec<ToolInput> {
+        vec![
+            ToolInput::Start,
+            ToolInput::Finish { succeeded: true },
+            ToolInput::Finish { succeeded: false },
+            ToolInput::Await,
+            ToolInput::Allow,
+            ToolInput::Refuse { expired: false },
+            ToolInput::Refuse { expired: true },
+            ToolInput::Cancel,
+            ToolInput::Recover { replayable: true },
+            ToolInput::Recover { replayable: false },
+        ]
+    }
+
+    #[test]
+    fn the_happy_path_and_the_honest_ones() {
+        let done = ToolCallState::REQUESTED
+            .apply(ToolInput::Start)
+            .and_then(|s| s.apply(ToolInput::Finish { succeeded: true }))
+            .unwrap();
+        assert_eq!(done.outcome, Some(ToolOutcome::Succeeded));
+        assert_eq!(done.attempt, 1);
+
+        let executing = ToolCallState::REQUESTED.apply(ToolInput::Start).unwrap();
+        let replayed = executing
+            .apply(ToolInput::Recover { replayable: true })
+            .unwrap();
+        assert_eq!(
+            (replayed.status, replayed.attempt),
+            (ToolCallStatus::Executing, 2)
+        );
+        let unknown = executing
+            .apply(ToolInput::Recover { replayable: false })
+            .unwrap();
+        assert_eq!(unknown.status, ToolCallStatus::Indeterminate);
+        assert_eq!(unknown.outcome, Some(ToolOutcome::Unknown));
+        assert!(
+            unknown
+                .apply(ToolInput::Recover { replayable: false })
+                .is_err()
+        );
+
+        let cancelled = executing.apply(ToolInput::Cancel).unwrap();
+        assert_eq!(cancelled.outcome, Some(ToolOutcome::Interrupted));
+        let not_started = ToolCallState::REQUESTED.apply(ToolInput::Cancel).unwrap();
+        assert_eq!(not_started.outcome, Some(ToolOutcome::NotStarted));
+    }
+
+    #[test]
+    fn terminal_calls_refuse_everything() {
+        let finished = [
+            ToolCallState::REQUESTED.apply(ToolInput::Cancel).unwrap(),
+            ToolCallState::REQUESTED
+                .apply(ToolInput::Start)
+                .and_then(|s| s.apply(ToolInput::Recover { replayable: false }))
+                .unwrap(),
+        ];
+        for state in finished {
+            assert!(state.is_terminal());
+            for input in inputs() {
+                assert!(state.apply(input).is_err(), "{state:?} {input:?}");
+            }
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn random_inputs_keep_the_invariants(picks in proptest::collection::vec(0usize..10, 0..40)) {
+            let all = inputs();
+            let mut state = ToolCallState::REQUESTED;
+            for pick in picks {
+                let input = all[pick];
+                let Ok(next) = state.apply(input) else { continue };
+                prop_assert!(!state.is_terminal(), "left a terminal state");
+                prop_assert!(next.attempt >= state.attempt, "attempts never go back");
+                prop_assert!(
+                    !(state.status == ToolCallStatus::Executing && next.status == ToolCallStatus::Requested),
+                    "EXECUTING never turns back into REQUESTED"
+                );
+                prop_assert_eq!(next.is_terminal(), next.outcome.is_some());
+                if next.status == ToolCallStatus::Executing {
+                    prop_assert!(next.attempt >= 1);
+                }
+                state = next;
+            }
+        }
+    }
+}
