@@ -475,6 +475,12 @@ impl FileConfig {
                     "must be a JSON Schema object",
                 ));
             }
+            if let Err(e) = jsonschema::validator_for(&tool.input_schema) {
+                return Err(invalid(
+                    format!("{key}.input_schema"),
+                    format!("not a valid JSON Schema: {e}"),
+                ));
+            }
             if let Some(http) = &tool.http {
                 if !http.url.starts_with("http://") && !http.url.starts_with("https://") {
                     return Err(invalid(format!("{key}.http.url"), "must be an http(s) URL"));
@@ -896,6 +902,13 @@ mod tests {
         );
         let config = load_with(toml, &[("MY_KEY", "sk-1")]).unwrap();
         assert_eq!(config.file.agents[0].api_key.as_deref(), Some("sk-1"));
+    }
+
+    #[test]
+    fn a_tool_schema_must_compile() {
+        let toml = "[[agents]]\nname = \"a\"\nprovider = \"scripted\"\n[[tools]]\nname = \"t\"\ndescription = \"d\"\ninput_schema = { type = \"object\", properties = { n = { type = \"nonsense\" } } }\n";
+        let err = message(load_with(toml, &[]));
+        assert!(err.contains("tools[0].input_schema"), "{err}");
     }
 
     #[test]

@@ -12,3 +12,4 @@ pub mod providers;
 pub mod runtime;
 pub mod server;
 pub mod store;
+pub mod tools;

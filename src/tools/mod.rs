@@ -1,0 +1,3 @@
+//! Tools: the registry built from configuration and the built-in tools.
+
+pub mod registry;
