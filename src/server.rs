@@ -7,7 +7,7 @@ use axum::serve::ListenerExt;
 use tokio::net::TcpListener;
 
 use crate::api::{self, auth::Authenticator, auth::DEVELOPMENT_SECRET, context::Services};
-use crate::bus::Bus;
+use crate::bus::{self, Bus};
 use crate::config::Config;
 use crate::runtime::{Runtime, RuntimeOptions};
 use crate::store::Store;
@@ -67,6 +67,14 @@ pub async fn start(config: Config, role: Role) -> anyhow::Result<Running> {
     }
     let store = open_store(&config).await?;
     let auth = authenticator(&config)?;
+    let stopping = CancellationToken::new();
+    if config.database_url.starts_with("postgres") {
+        bus::pg::spawn_listener(
+            config.database_url.clone(),
+            store.bus().clone(),
+            stopping.clone(),
+        );
+    }
     let file = Arc::new(config.file.clone());
     let runtime = (role != Role::Api).then(|| {
         Runtime::start(

@@ -8,12 +8,16 @@ use futures_util::Stream;
 use tokio::sync::broadcast::error::RecvError;
 use uuid::Uuid;
 
+use crate::bus::Signal;
 use crate::domain::cursor::Cursor;
 use crate::domain::event::Event;
 use crate::store::{Result, Store, reads};
 
 /// Events read from the log per query while catching up.
 const PAGE: u64 = 500;
+
+/// How long a quiet subscription waits before looking at the log itself.
+const POLL: std::time::Duration = std::time::Duration::from_secs(1);
 
 pub struct FeedRequest {
     pub tenant: String,
@@ -65,9 +69,21 @@ pub fn follow(store: Store, request: FeedRequest) -> impl Stream<Item = Result<A
             if catch_up_only {
                 return;
             }
-            let event = match live.recv().await {
-                Ok(event) => event,
-                Err(RecvError::Lagged(_)) => {
+            let signal = tokio::select! {
+                signal = live.recv() => Some(signal),
+                () = tokio::time::sleep(POLL) => None,
+            };
+            let Some(signal) = signal else {
+                // The bus only hears this process; another one (a worker of
+                // a split deployment, or any instance on SQLite) may have
+                // written. A cheap look at the log's head now and then.
+                let head = reads::conversation(store.db(), &tenant, conversation_id).await?;
+                behind = head.is_some_and(|c| c.event_seq > last.0);
+                continue;
+            };
+            let event = match signal {
+                Ok(Signal::Event(event)) => event,
+                Ok(Signal::Stale) | Err(RecvError::Lagged(_)) => {
                     behind = true;
                     continue;
                 }

@@ -2,6 +2,9 @@
 //! signals to workers (a run was queued; a run's cancellation was requested).
 //! The bus is a wake-up and a fast path, never the source of truth: a
 //! subscriber that lags behind reads the log instead, and workers also poll.
+//! On PostgreSQL, `pg` relays the same signals between processes.
+
+pub mod pg;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -14,11 +17,22 @@ use crate::domain::event::{Event, EventKind};
 /// Events buffered per conversation for each subscriber before it lags.
 pub const CAPACITY: usize = 1024;
 
+/// What a subscriber hears on a conversation's channel.
+#[derive(Debug, Clone)]
+pub enum Signal {
+    /// An event committed (or a live delta) in this process.
+    Event(Arc<Event>),
+    /// The log has grown elsewhere (another process): read it.
+    Stale,
+}
+
 #[derive(Clone)]
 pub struct Bus {
-    channels: Arc<Mutex<HashMap<Uuid, broadcast::Sender<Arc<Event>>>>>,
+    channels: Arc<Mutex<HashMap<Uuid, broadcast::Sender<Signal>>>>,
     queued: Arc<Notify>,
     cancels: broadcast::Sender<Uuid>,
+    /// Names this process in notifications, to skip its own.
+    origin: Uuid,
 }
 
 impl Default for Bus {
@@ -27,6 +41,7 @@ impl Default for Bus {
             channels: Arc::default(),
             queued: Arc::default(),
             cancels: broadcast::channel(256).0,
+            origin: Uuid::now_v7(),
         }
     }
 }
@@ -36,8 +51,12 @@ impl Bus {
         Bus::default()
     }
 
+    pub fn origin(&self) -> Uuid {
+        self.origin
+    }
+
     /// Registers for a conversation's live events from now on.
-    pub fn subscribe(&self, conversation_id: Uuid) -> broadcast::Receiver<Arc<Event>> {
+    pub fn subscribe(&self, conversation_id: Uuid) -> broadcast::Receiver<Signal> {
         let mut channels = self.channels.lock().unwrap_or_else(PoisonError::into_inner);
         channels.retain(|_, sender| sender.receiver_count() > 0);
         channels
@@ -60,9 +79,25 @@ impl Bus {
             let Some(sender) = channels.get(&event.conversation_id) else {
                 continue;
             };
-            if sender.send(Arc::new(event.clone())).is_err() {
+            if sender.send(Signal::Event(Arc::new(event.clone()))).is_err() {
                 channels.remove(&event.conversation_id);
             }
+        }
+    }
+
+    /// Tells a conversation's subscribers that its log grew elsewhere.
+    pub fn poke(&self, conversation_id: Uuid) {
+        let channels = self.channels.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(sender) = channels.get(&conversation_id) {
+            let _ = sender.send(Signal::Stale);
+        }
+    }
+
+    /// Tells every subscriber to check the log (notifications were lost).
+    pub fn poke_all(&self) {
+        let channels = self.channels.lock().unwrap_or_else(PoisonError::into_inner);
+        for sender in channels.values() {
+            let _ = sender.send(Signal::Stale);
         }
     }
 

@@ -101,6 +101,7 @@ pub async fn send_message(
             // its worker's next commit is fenced and it stops.
             for row in active {
                 if reads::run_status(&row)? == RunStatus::Running {
+                    tx.notify_cancel(row.id).await?;
                     interrupted.push(row.id);
                 }
                 events.extend(runs::end(&tx, row, EndCause::Interrupted, None).await?);
@@ -216,6 +217,7 @@ pub async fn cancel_run(store: &Store, actor: &Actor, run_id: Uuid) -> Result<ru
             let mut active: run::ActiveModel = row.into();
             active.cancel_requested = Set(true);
             active.update(&*tx).await?;
+            tx.notify_cancel(run_id).await?;
             store.commit(tx).await?;
         }
         store.bus().request_cancel(run_id);

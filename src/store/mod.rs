@@ -16,16 +16,17 @@ use tokio::sync::{Mutex, OwnedMutexGuard};
 use sea_orm::sea_query::{Expr, ExprTrait};
 use sea_orm::sqlx::sqlite::{SqliteJournalMode, SqliteSynchronous};
 use sea_orm::{
-    AccessMode, ActiveValue::Set, ColumnTrait, ConnectOptions, Database, DatabaseBackend,
-    DatabaseConnection, DatabaseTransaction, DbErr, EntityTrait, IsolationLevel, QueryFilter,
-    QuerySelect, SqliteTransactionMode, TransactionOptions, TransactionTrait,
+    AccessMode, ActiveValue::Set, ColumnTrait, ConnectOptions, ConnectionTrait, Database,
+    DatabaseBackend, DatabaseConnection, DatabaseTransaction, DbErr, EntityTrait, IsolationLevel,
+    QueryFilter, QuerySelect, SqliteTransactionMode, Statement, TransactionOptions,
+    TransactionTrait,
 };
 use tether_migrations::{Migrator, MigratorTrait};
 use uuid::Uuid;
 
-use crate::bus::Bus;
+use crate::bus::{Bus, pg};
 use crate::domain::cursor::Cursor;
-use crate::domain::event::{Event, NewEvent};
+use crate::domain::event::{Event, EventKind, NewEvent};
 use crate::domain::time::now_millis;
 use entities::{conversation, event};
 
@@ -141,9 +142,11 @@ impl Store {
                 ..Default::default()
             })
             .await?;
+        let notify_as = (self.backend() == DatabaseBackend::Postgres).then(|| self.bus.origin());
         Ok(WriteTx {
             tx,
             events: Vec::new(),
+            notify_as,
             _lane: lane,
         })
     }
@@ -177,6 +180,8 @@ impl Store {
 pub struct WriteTx {
     tx: DatabaseTransaction,
     events: Vec<Event>,
+    /// On PostgreSQL, this process's origin for NOTIFY payloads.
+    notify_as: Option<Uuid>,
     _lane: WriteLane,
 }
 
@@ -245,6 +250,34 @@ impl WriteTx {
             });
         }
         event::Entity::insert_many(rows).exec(&self.tx).await?;
+        self.notify(pg::EVENTS, Some(conversation.id)).await?;
+        if self.events.iter().any(|e| e.kind == EventKind::RunQueued) {
+            self.notify(pg::QUEUED, None).await?;
+        }
+        Ok(())
+    }
+
+    /// Tells other processes that a run's cancellation was requested.
+    pub async fn notify_cancel(&self, run_id: Uuid) -> Result<()> {
+        self.notify(pg::CANCEL, Some(run_id)).await
+    }
+
+    /// NOTIFY inside the transaction, so it is delivered on commit only.
+    async fn notify(&self, channel: &str, id: Option<Uuid>) -> Result<()> {
+        let Some(origin) = self.notify_as else {
+            return Ok(());
+        };
+        let payload = match id {
+            Some(id) => format!("{origin}:{id}"),
+            None => origin.to_string(),
+        };
+        self.tx
+            .execute_raw(Statement::from_sql_and_values(
+                DatabaseBackend::Postgres,
+                "SELECT pg_notify($1, $2)",
+                [channel.into(), payload.into()],
+            ))
+            .await?;
         Ok(())
     }
 }

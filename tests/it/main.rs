@@ -8,6 +8,7 @@ mod conversations;
 mod crash;
 mod fakes;
 mod input_limits;
+mod instances;
 mod providers;
 mod retries;
 mod runs;

@@ -280,6 +280,18 @@ impl Server {
         .await
     }
 
+    /// Another process on the same database (a split deployment), with this
+    /// server's configuration and the given role. It stops when dropped.
+    pub async fn companion(&self, role: &'static str) -> Child {
+        let options = ServerOptions {
+            config: self.options.config.clone(),
+            env: self.options.env.clone(),
+            role,
+        };
+        let instance = format!("it-{}", Uuid::now_v7().simple());
+        spawn(&self.db, &options, &instance, &[]).await.0
+    }
+
     /// Kills the process with SIGKILL and waits for it to be gone.
     pub async fn kill(&mut self) {
         self.child.kill().await.unwrap();
