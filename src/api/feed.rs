@@ -16,7 +16,7 @@ use crate::store::{Result, Store, reads};
 /// Events read from the log per query while catching up.
 const PAGE: u64 = 500;
 
-/// How long a quiet subscription waits before looking at the log itself.
+/// How often a subscription looks at the log's head itself.
 const POLL: std::time::Duration = std::time::Duration::from_secs(1);
 
 pub struct FeedRequest {
@@ -49,6 +49,9 @@ pub fn follow(store: Store, request: FeedRequest) -> impl Stream<Item = Result<A
             }
         };
         let wanted = |event: &Event| run_id.is_none() || event.run_id == run_id;
+        let mut poll = tokio::time::interval(POLL);
+        poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        poll.reset();
         let mut behind = after.is_some();
         loop {
             if behind {
@@ -71,7 +74,7 @@ pub fn follow(store: Store, request: FeedRequest) -> impl Stream<Item = Result<A
             }
             let signal = tokio::select! {
                 signal = live.recv() => Some(signal),
-                () = tokio::time::sleep(POLL) => None,
+                _ = poll.tick() => None,
             };
             let Some(signal) = signal else {
                 // The bus only hears this process; another one (a worker of
