@@ -1,7 +1,5 @@
 //! The history sent to the model, rebuilt from committed facts only.
 
-use std::collections::HashSet;
-
 use sea_orm::{ColumnTrait, EntityTrait, QueryFilter, QueryOrder};
 use uuid::Uuid;
 
@@ -21,18 +19,13 @@ pub struct History {
     pub sources: Vec<Option<Uuid>>,
 }
 
-/// Every user message up to the run's own and the text replies of the runs
-/// before it; messages covered by the latest summary are replaced by it.
-/// Abandoned attempts, reasoning, notices and errors are shown to people,
-/// never to the model.
+/// Every user message up to the run's own and every text reply so far;
+/// messages covered by the latest summary are replaced by it. (Runs of a
+/// conversation execute one at a time in order, so every reply there is
+/// belongs to this run or to one before it.) Abandoned attempts, reasoning,
+/// notices and errors are shown to people, never to the model.
 pub async fn load(store: &Store, run: &run::Model) -> Result<History> {
     let db = store.db();
-    let runs = reads::runs_of(db, &run.tenant, run.conversation_id).await?;
-    let visible_runs: HashSet<Uuid> = runs
-        .iter()
-        .filter(|r| r.trigger_message_id <= run.trigger_message_id)
-        .map(|r| r.id)
-        .collect();
     let latest_summary = summary::Entity::find()
         .filter(summary::Column::Tenant.eq(run.tenant.as_str()))
         .filter(summary::Column::ConversationId.eq(run.conversation_id))
@@ -59,11 +52,7 @@ pub async fn load(store: &Store, run: &run::Model) -> Result<History> {
             continue;
         }
         let role: MessageRole = parse_stored(&message.role, "message role")?;
-        let included = match role {
-            MessageRole::User => message.id <= run.trigger_message_id,
-            MessageRole::Assistant => message.run_id.is_some_and(|id| visible_runs.contains(&id)),
-        };
-        if !included {
+        if role == MessageRole::User && message.id > run.trigger_message_id {
             continue;
         }
         let mut text = String::new();
