@@ -69,7 +69,7 @@ pub async fn start(config: Config, role: Role) -> anyhow::Result<Running> {
     let auth = authenticator(&config)?;
     let stopping = CancellationToken::new();
     if config.database_url.starts_with("postgres") {
-        bus::pg::spawn_listener(
+        bus::pg::spawn(
             config.database_url.clone(),
             store.bus().clone(),
             stopping.clone(),

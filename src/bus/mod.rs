@@ -7,9 +7,9 @@
 pub mod pg;
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
-use tokio::sync::{Notify, broadcast};
+use tokio::sync::{Notify, broadcast, mpsc};
 use uuid::Uuid;
 
 use crate::domain::event::{Event, EventKind};
@@ -33,6 +33,8 @@ pub struct Bus {
     cancels: broadcast::Sender<Uuid>,
     /// Names this process in notifications, to skip its own.
     origin: Uuid,
+    /// Where live deltas go for other processes (PostgreSQL only).
+    delta_relay: Arc<OnceLock<mpsc::Sender<Event>>>,
 }
 
 impl Default for Bus {
@@ -42,6 +44,7 @@ impl Default for Bus {
             queued: Arc::default(),
             cancels: broadcast::channel(256).0,
             origin: Uuid::now_v7(),
+            delta_relay: Arc::default(),
         }
     }
 }
@@ -66,8 +69,19 @@ impl Bus {
     }
 
     /// Sends events to the current subscribers of their conversations, and
-    /// wakes a worker when a run was queued.
+    /// wakes a worker when a run was queued. Live deltas also go to other
+    /// processes where a relay is set (best effort: dropped when it is busy).
     pub fn publish(&self, events: &[Event]) {
+        if let Some(relay) = self.delta_relay.get() {
+            for event in events.iter().filter(|e| !e.kind.is_persisted()) {
+                let _ = relay.try_send(event.clone());
+            }
+        }
+        self.deliver(events);
+    }
+
+    /// Sends events to this process's subscribers only.
+    pub fn deliver(&self, events: &[Event]) {
         if events.is_empty() {
             return;
         }
@@ -83,6 +97,11 @@ impl Bus {
                 channels.remove(&event.conversation_id);
             }
         }
+    }
+
+    /// Sets where live deltas go for other processes; once.
+    pub fn relay_deltas(&self, relay: mpsc::Sender<Event>) {
+        let _ = self.delta_relay.set(relay);
     }
 
     /// Tells a conversation's subscribers that its log grew elsewhere.

@@ -6,11 +6,18 @@
 
 use std::time::Duration;
 
-use sea_orm::sqlx::postgres::PgListener;
+use sea_orm::sqlx::{
+    self,
+    postgres::{PgListener, PgPoolOptions},
+};
+use serde::{Deserialize, Serialize};
+use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use super::Bus;
+use crate::domain::cursor::Cursor;
+use crate::domain::event::{Event, EventBody, EventKind};
 
 /// `origin:conversation_id`: a conversation's log grew.
 pub const EVENTS: &str = "tether_events";
@@ -18,20 +25,78 @@ pub const EVENTS: &str = "tether_events";
 pub const QUEUED: &str = "tether_queued";
 /// `origin:run_id`: a run's cancellation was requested.
 pub const CANCEL: &str = "tether_cancel";
+/// A live `part.delta` as JSON (`RelayedDelta`), sent outside any
+/// transaction.
+pub const DELTAS: &str = "tether_deltas";
 
-/// Relays other processes' notifications to this process's bus until
-/// `stop`.
-pub fn spawn_listener(
-    url: String,
-    bus: Bus,
-    stop: CancellationToken,
-) -> tokio::task::JoinHandle<()> {
+/// NOTIFY payloads must stay under 8000 bytes; larger deltas are not
+/// relayed (the text arrives with the next checkpoint).
+const MAX_PAYLOAD: usize = 7900;
+/// Deltas waiting to be relayed before new ones are dropped.
+const RELAY_BUFFER: usize = 1024;
+
+#[derive(Serialize, Deserialize)]
+struct RelayedDelta {
+    origin: Uuid,
+    conversation_id: Uuid,
+    cursor: i64,
+    run_id: Option<Uuid>,
+    at: i64,
+    body: EventBody,
+}
+
+/// Relays other processes' notifications to this process's bus, and this
+/// process's live deltas to the others, until `stop`.
+pub fn spawn(url: String, bus: Bus, stop: CancellationToken) {
+    let (relay, deltas) = mpsc::channel(RELAY_BUFFER);
+    bus.relay_deltas(relay);
+    let (listen_url, listen_bus, listen_stop) = (url.clone(), bus.clone(), stop.clone());
     tokio::spawn(async move {
         tokio::select! {
-            () = listen(&url, &bus) => {}
+            () = listen(&listen_url, &listen_bus) => {}
+            () = listen_stop.cancelled() => {}
+        }
+    });
+    tokio::spawn(async move {
+        tokio::select! {
+            () = send_deltas(&url, bus.origin(), deltas) => {}
             () = stop.cancelled() => {}
         }
-    })
+    });
+}
+
+async fn send_deltas(url: &str, origin: Uuid, mut deltas: mpsc::Receiver<Event>) {
+    let pool = match PgPoolOptions::new().max_connections(1).connect_lazy(url) {
+        Ok(pool) => pool,
+        Err(err) => {
+            tracing::warn!(error = %err, "live deltas will not reach other processes");
+            return;
+        }
+    };
+    while let Some(event) = deltas.recv().await {
+        let relayed = RelayedDelta {
+            origin,
+            conversation_id: event.conversation_id,
+            cursor: event.cursor.0,
+            run_id: event.run_id,
+            at: event.at,
+            body: event.body,
+        };
+        let Ok(payload) = serde_json::to_string(&relayed) else {
+            continue;
+        };
+        if payload.len() > MAX_PAYLOAD {
+            continue;
+        }
+        if let Err(err) = sqlx::query("SELECT pg_notify($1, $2)")
+            .bind(DELTAS)
+            .bind(payload)
+            .execute(&pool)
+            .await
+        {
+            tracing::debug!(error = %err, "relaying a delta failed");
+        }
+    }
 }
 
 async fn listen(url: &str, bus: &Bus) {
@@ -44,7 +109,7 @@ async fn listen(url: &str, bus: &Bus) {
                 continue;
             }
         };
-        if let Err(err) = listener.listen_all([EVENTS, QUEUED, CANCEL]).await {
+        if let Err(err) = listener.listen_all([EVENTS, QUEUED, CANCEL, DELTAS]).await {
             tracing::warn!(error = %err, "LISTEN failed");
             tokio::time::sleep(Duration::from_secs(1)).await;
             continue;
@@ -72,6 +137,21 @@ async fn listen(url: &str, bus: &Bus) {
 }
 
 fn relay(bus: &Bus, channel: &str, payload: &str) {
+    if channel == DELTAS {
+        if let Ok(delta) = serde_json::from_str::<RelayedDelta>(payload)
+            && delta.origin != bus.origin()
+        {
+            bus.deliver(&[Event {
+                conversation_id: delta.conversation_id,
+                cursor: Cursor(delta.cursor),
+                kind: EventKind::PartDelta,
+                run_id: delta.run_id,
+                at: delta.at,
+                body: delta.body,
+            }]);
+        }
+        return;
+    }
     let (origin, id) = payload.split_once(':').unwrap_or((payload, ""));
     if origin == bus.origin().to_string() {
         return;
