@@ -8,6 +8,7 @@ pub use sea_orm_migration::prelude::*;
 mod m0001_initial;
 mod m0002_runtime;
 mod m0003_summaries;
+mod shape;
 
 pub struct Migrator;
 

@@ -1,5 +1,7 @@
 use sea_orm_migration::{prelude::*, schema::*};
 
+use crate::shape::{index, unique_index};
+
 #[derive(DeriveMigrationName)]
 pub struct Migration;
 
@@ -82,27 +84,6 @@ enum Events {
     Kind,
     Payload,
     CreatedAt,
-}
-
-fn index<T: IntoIden, C: IntoIden>(
-    name: &str,
-    table: T,
-    columns: impl IntoIterator<Item = C>,
-) -> IndexCreateStatement {
-    let mut index = Index::create();
-    index.name(name).table(table);
-    for column in columns {
-        index.col(column);
-    }
-    index.to_owned()
-}
-
-fn unique_index<T: IntoIden, C: IntoIden>(
-    name: &str,
-    table: T,
-    columns: impl IntoIterator<Item = C>,
-) -> IndexCreateStatement {
-    index(name, table, columns).unique().to_owned()
 }
 
 #[async_trait::async_trait]

@@ -1,5 +1,7 @@
 use sea_orm_migration::{prelude::*, schema::*};
 
+use crate::shape::{add_column, index};
+
 #[derive(DeriveMigrationName)]
 pub struct Migration;
 
@@ -34,21 +36,6 @@ enum RunAudit {
     EndedAt,
 }
 
-async fn add_column<T: IntoIden + 'static>(
-    manager: &SchemaManager<'_>,
-    table: T,
-    mut column: ColumnDef,
-) -> Result<(), DbErr> {
-    manager
-        .alter_table(
-            Table::alter()
-                .table(table)
-                .add_column(&mut column)
-                .to_owned(),
-        )
-        .await
-}
-
 #[async_trait::async_trait]
 impl MigrationTrait for Migration {
     async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
@@ -72,13 +59,7 @@ impl MigrationTrait for Migration {
         )
         .await?;
         manager
-            .create_index(
-                Index::create()
-                    .name("parts_run")
-                    .table(Parts::Table)
-                    .col(Parts::RunId)
-                    .to_owned(),
-            )
+            .create_index(index("parts_run", Parts::Table, [Parts::RunId]))
             .await?;
         manager
             .create_table(

@@ -1,5 +1,7 @@
 use sea_orm_migration::{prelude::*, schema::*};
 
+use crate::shape::index;
+
 #[derive(DeriveMigrationName)]
 pub struct Migration;
 
@@ -41,14 +43,11 @@ impl MigrationTrait for Migration {
             )
             .await?;
         manager
-            .create_index(
-                Index::create()
-                    .name("summaries_conversation")
-                    .table(Summaries::Table)
-                    .col(Summaries::ConversationId)
-                    .col(Summaries::Id)
-                    .to_owned(),
-            )
+            .create_index(index(
+                "summaries_conversation",
+                Summaries::Table,
+                [Summaries::ConversationId, Summaries::Id],
+            ))
             .await
     }
 
