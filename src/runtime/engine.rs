@@ -12,6 +12,7 @@ use tokio::time::{Instant, sleep_until};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+use super::history::History;
 use super::{compaction, failpoints, history};
 use crate::config::{AgentConfig, FileConfig, Limits};
 use crate::domain::PartKind;
@@ -110,10 +111,10 @@ async fn drive(
     failpoints::hit("after_begin");
     let run = &begun.run;
     let mut attempt = Attempt::new(&begun);
-    let before = usage_of(run);
+    let so_far = usage_of(run);
     let Some(agent) = config.agent(&run.agent) else {
         let message = format!("agent {:?} is not configured", run.agent);
-        let ending = failed(EndCause::Error, message, before, run.steps);
+        let ending = failed(EndCause::Error, message, so_far, run.steps);
         return end(store, lease, &attempt, ending).await;
     };
     if run.cancel_requested || control.reason() == Some(Stop::Cancelled) {
@@ -121,7 +122,7 @@ async fn drive(
             store,
             lease,
             &attempt,
-            ended(EndCause::Cancelled, before, run.steps),
+            ended(EndCause::Cancelled, so_far, run.steps),
         )
         .await;
     }
@@ -133,14 +134,14 @@ async fn drive(
         let ending = failed(
             EndCause::Timeout,
             "the run used up its time".into(),
-            before,
+            so_far,
             run.steps,
         );
         return end(store, lease, &attempt, ending).await;
     }
     if run.steps >= limits.max_steps as i32 {
         let message = format!("the run reached {} steps", limits.max_steps);
-        let ending = failed(EndCause::StepLimit, message, before, run.steps);
+        let ending = failed(EndCause::StepLimit, message, so_far, run.steps);
         return end(store, lease, &attempt, ending).await;
     }
     let deadline = Instant::now() + Duration::from_millis(remaining_ms as u64);
@@ -148,43 +149,16 @@ async fn drive(
     // Before inference: the history, from committed facts only, compacted
     // when it would exceed the context budget.
     let provider = providers::for_agent(agent);
-    let mut history = history::load(store, run).await?;
-    if let Some(plan) = compaction::plan(&history, agent.system.as_deref(), &agent.context) {
-        let summarized = tokio::select! {
-            summarized = compaction::summarize(
-                provider.as_ref(),
-                agent.model_name(),
-                agent.max_tokens,
-                &history.turns[..plan.turns],
-            ) => Some(summarized),
-            () = control.token.cancelled() => None,
-        };
-        match summarized {
-            Some(Ok((text, input_tokens, output_tokens))) => {
-                let cost = cost(
-                    agent,
-                    attempt.base.input_tokens + input_tokens,
-                    attempt.base.output_tokens + output_tokens,
-                );
-                let compaction = Compaction {
-                    through_message_id: plan.through,
-                    messages_compacted: plan.messages as i32,
-                    text,
-                    input_tokens,
-                    output_tokens,
-                };
-                let (usage, cursor) =
-                    runs::record_compaction(store, lease, compaction, cost).await?;
-                attempt.base = usage;
-                attempt.cursor = cursor;
-                history = history::load(store, run).await?;
-            }
-            Some(Err(err)) => {
-                tracing::warn!(error = %err, "compaction failed; sending the whole history");
-            }
-            None => {}
-        }
-    }
+    let history = history::load(store, run).await?;
+    let context = Context {
+        store,
+        lease,
+        run,
+        agent,
+        provider: provider.as_ref(),
+        control,
+    };
+    let history = compact(&context, history, &mut attempt).await?;
     let request = ModelRequest {
         model: agent.model_name().to_owned(),
         system: agent.system.clone(),
@@ -274,6 +248,71 @@ async fn drive(
         Inference::Stopped(Stop::Shutdown) => runs::release(store, lease, &attempt.texts()).await,
         Inference::Stopped(Stop::LeaseLost) => Err(store::Error::Fenced),
     }
+}
+
+/// Replaces the older turns by a summary when the history would exceed the
+/// agent's context budget; the summary is committed (with its usage) before
+/// it is used. If summarizing fails, the whole history goes out.
+async fn compact(
+    context: &Context<'_>,
+    history: History,
+    attempt: &mut Attempt,
+) -> store::Result<History> {
+    let Context {
+        store,
+        lease,
+        run,
+        agent,
+        provider,
+        control,
+    } = *context;
+    let Some(plan) = compaction::plan(&history, agent.system.as_deref(), &agent.context) else {
+        return Ok(history);
+    };
+    let summarized = tokio::select! {
+        summarized = compaction::summarize(
+            provider,
+            agent.model_name(),
+            agent.max_tokens,
+            &history.turns[..plan.turns],
+        ) => summarized,
+        // The inference that follows sees the cancellation at once.
+        () = control.token.cancelled() => return Ok(history),
+    };
+    let (text, input_tokens, output_tokens) = match summarized {
+        Ok(summary) => summary,
+        Err(err) => {
+            tracing::warn!(error = %err, "compaction failed; sending the whole history");
+            return Ok(history);
+        }
+    };
+    let cost = cost(
+        agent,
+        attempt.base.input_tokens + input_tokens,
+        attempt.base.output_tokens + output_tokens,
+    );
+    let compaction = Compaction {
+        through_message_id: plan.through,
+        messages_compacted: plan.messages as i32,
+        text,
+        input_tokens,
+        output_tokens,
+    };
+    let (usage, cursor) = runs::record_compaction(store, lease, compaction, cost).await?;
+    attempt.base = usage;
+    attempt.cursor = cursor;
+    history::load(store, run).await
+}
+
+/// What compaction works with.
+#[derive(Clone, Copy)]
+struct Context<'a> {
+    store: &'a Store,
+    lease: &'a Lease,
+    run: &'a run::Model,
+    agent: &'a AgentConfig,
+    provider: &'a dyn Provider,
+    control: &'a Control,
 }
 
 /// The parts an attempt streams into (in display order), and what it used.
