@@ -139,6 +139,8 @@ pub struct ApiConfig {
     pub ws_keepalive_secs: u64,
     /// How long a new WebSocket may take to send `connection_init`.
     pub ws_init_timeout_secs: u64,
+    /// Operations (subscriptions) one WebSocket may run at once.
+    pub ws_max_operations: usize,
 }
 
 impl Default for ApiConfig {
@@ -151,6 +153,7 @@ impl Default for ApiConfig {
             max_query_complexity: 1_000,
             ws_keepalive_secs: 15,
             ws_init_timeout_secs: 10,
+            ws_max_operations: 100,
         }
     }
 }
@@ -454,6 +457,7 @@ impl FileConfig {
         at_least("api.max_query_complexity", api.max_query_complexity, 10)?;
         at_least("api.ws_keepalive_secs", api.ws_keepalive_secs, 1)?;
         at_least("api.ws_init_timeout_secs", api.ws_init_timeout_secs, 1)?;
+        at_least("api.ws_max_operations", api.ws_max_operations, 1)?;
 
         let mut tool_names: HashSet<String> =
             BUILTIN_TOOLS.iter().map(|t| (*t).to_owned()).collect();

@@ -3,6 +3,7 @@
 //! lacks: authentication closing with 4403 (also when the token expires on an
 //! open connection), a `connection_init` timeout, and server keepalive pings.
 
+use std::collections::HashSet;
 use std::time::Duration;
 
 use async_graphql::Data;
@@ -52,22 +53,26 @@ pub async fn serve(mut socket: WebSocket, protocol: WebSocketProtocols, app: App
     tokio::pin!(expiry);
     let mut keepalive = tokio::time::interval(Duration::from_secs(app.limits.ws_keepalive_secs));
     keepalive.reset();
+    let mut operations = Operations::new(app.limits.ws_max_operations);
     let mut authenticated = false;
     let mut auth_pending = true;
 
     let close: Option<(u16, String)> = loop {
         tokio::select! {
             incoming = socket.recv() => match incoming {
-                Some(Ok(Message::Text(text))) => {
-                    if inbound.send(text.to_string()).await.is_err() {
-                        break None;
-                    }
-                }
-                Some(Ok(Message::Binary(bytes))) => {
-                    let Ok(text) = String::from_utf8(bytes.to_vec()) else {
-                        break Some((1007, "frames must be UTF-8 JSON".to_owned()));
+                Some(Ok(frame @ (Message::Text(_) | Message::Binary(_)))) => {
+                    let text = match frame {
+                        Message::Text(text) => text.to_string(),
+                        other => match String::from_utf8(other.into_data().to_vec()) {
+                            Ok(text) => text,
+                            Err(_) => break Some((1007, "frames must be UTF-8 JSON".to_owned())),
+                        },
                     };
-                    if inbound.send(text).await.is_err() {
+                    if let Some(refusal) = operations.admit(protocol, &text) {
+                        if socket.send(Message::Text(refusal.into())).await.is_err() {
+                            break None;
+                        }
+                    } else if inbound.send(text).await.is_err() {
                         break None;
                     }
                 }
@@ -76,6 +81,7 @@ pub async fn serve(mut socket: WebSocket, protocol: WebSocketProtocols, app: App
             },
             outgoing = engine.next() => match outgoing {
                 Some(WsMessage::Text(text)) => {
+                    operations.ended(&text);
                     if socket.send(Message::Text(text.into())).await.is_err() {
                         break None;
                     }
@@ -117,6 +123,64 @@ pub async fn serve(mut socket: WebSocket, protocol: WebSocketProtocols, app: App
             reason: reason.into(),
         };
         let _ = socket.send(Message::Close(Some(frame))).await;
+    }
+}
+
+/// The operations running on one socket, capped: each holds a subscription
+/// and its buffer.
+struct Operations {
+    active: HashSet<String>,
+    limit: usize,
+}
+
+impl Operations {
+    fn new(limit: usize) -> Operations {
+        Operations {
+            active: HashSet::new(),
+            limit,
+        }
+    }
+
+    /// Notes a client frame; returns the refusal to send instead of passing
+    /// it on when it starts an operation over the cap.
+    fn admit(&mut self, protocol: WebSocketProtocols, text: &str) -> Option<String> {
+        let frame: serde_json::Value = serde_json::from_str(text).ok()?;
+        let id = frame["id"].as_str()?.to_owned();
+        match frame["type"].as_str()? {
+            "subscribe" | "start" if !self.active.contains(&id) => {
+                if self.active.len() >= self.limit {
+                    let error = serde_json::json!({
+                        "message": format!("too many operations on this connection (at most {})", self.limit),
+                        "extensions": { "code": "BAD_USER_INPUT" },
+                    });
+                    let payload = match protocol {
+                        WebSocketProtocols::GraphQLWS => serde_json::json!([error]),
+                        WebSocketProtocols::SubscriptionsTransportWS => error,
+                    };
+                    return Some(
+                        serde_json::json!({ "id": id, "type": "error", "payload": payload })
+                            .to_string(),
+                    );
+                }
+                self.active.insert(id);
+            }
+            "complete" | "stop" => {
+                self.active.remove(&id);
+            }
+            _ => {}
+        }
+        None
+    }
+
+    /// Notes a server frame that ends an operation.
+    fn ended(&mut self, text: &str) {
+        if !self.active.is_empty()
+            && let Ok(frame) = serde_json::from_str::<serde_json::Value>(text)
+            && matches!(frame["type"].as_str(), Some("complete" | "error"))
+            && let Some(id) = frame["id"].as_str()
+        {
+            self.active.remove(id);
+        }
     }
 }
 

@@ -324,3 +324,39 @@ async fn the_server_pings_idle_connections() {
     assert_eq!(legacy.next_json().await.unwrap()["type"], "connection_ack");
     assert_eq!(legacy.wait_for_keepalive().await, json!({ "type": "ka" }));
 }
+
+#[tokio::test]
+async fn a_connection_runs_a_bounded_number_of_operations() {
+    let config = crate::support::BASE_CONFIG.replace("[api]\n", "[api]\nws_max_operations = 2\n");
+    let server = Server::start_with(crate::support::ServerOptions {
+        config,
+        ..Default::default()
+    })
+    .await;
+    let token = server.token("acme", "ada");
+    let conversation = server.create_conversation(&token).await;
+    let mut client = WsClient::connect(&server, &token).await;
+    for id in ["a", "b"] {
+        client
+            .subscribe(id, CONVERSATION_EVENTS, json!({ "c": conversation }))
+            .await;
+    }
+    client
+        .subscribe("c", CONVERSATION_EVENTS, json!({ "c": conversation }))
+        .await;
+    let refusal = client.next_json().await.unwrap();
+    assert_eq!(refusal["type"], "error", "{refusal}");
+    assert_eq!(refusal["id"], "c");
+    assert_eq!(
+        refusal["payload"][0]["extensions"]["code"],
+        "BAD_USER_INPUT"
+    );
+
+    // Ending one makes room for another.
+    client
+        .send_json(json!({ "type": "complete", "id": "a" }))
+        .await;
+    client.subscribe("d", "{ me { tenant } }", json!({})).await;
+    let answer = client.next_event("d").await;
+    assert_eq!(answer["data"]["me"]["tenant"], "acme");
+}
