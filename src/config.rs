@@ -184,6 +184,9 @@ pub struct AgentConfig {
     #[serde(default = "default_max_tokens")]
     pub max_tokens: u32,
     pub price: Option<Price>,
+    /// Extended thinking (Anthropic): its token budget per response; off
+    /// when absent.
+    pub thinking_budget_tokens: Option<u32>,
     /// Scripted model only: milliseconds between streamed chunks.
     #[serde(default = "default_stream_delay_ms")]
     pub stream_delay_ms: u64,
@@ -395,6 +398,7 @@ impl FileConfig {
                 tools: BUILTIN_TOOLS.iter().map(|t| (*t).to_owned()).collect(),
                 max_tokens: default_max_tokens(),
                 price: None,
+                thinking_budget_tokens: None,
                 stream_delay_ms: default_stream_delay_ms(),
                 idle_timeout_secs: default_idle_timeout_secs(),
                 limits: Limits::default(),

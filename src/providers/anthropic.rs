@@ -27,9 +27,9 @@ fn messages(turns: &[Turn]) -> Vec<Value> {
         match merged.last_mut() {
             Some((role, text)) if *role == turn.role => {
                 text.push_str("\n\n");
-                text.push_str(&turn.text);
+                text.push_str(&turn.plain_text());
             }
-            _ => merged.push((turn.role, turn.text.clone())),
+            _ => merged.push((turn.role, turn.plain_text())),
         }
     }
     merged
@@ -153,20 +153,13 @@ mod tests {
             model: "claude-x".into(),
             system: Some("Be brief.".into()),
             turns: vec![
-                Turn {
-                    role: MessageRole::User,
-                    text: "a".into(),
-                },
-                Turn {
-                    role: MessageRole::User,
-                    text: "b".into(),
-                },
-                Turn {
-                    role: MessageRole::Assistant,
-                    text: "c".into(),
-                },
+                Turn::text(MessageRole::User, "a"),
+                Turn::text(MessageRole::User, "b"),
+                Turn::text(MessageRole::Assistant, "c"),
             ],
+            tools: Vec::new(),
             max_tokens: 99,
+            thinking_budget: None,
             attempt: 1,
         };
         let body = body(&request);

@@ -9,24 +9,106 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures_util::stream::BoxStream;
+use serde_json::Value;
 
 use crate::config::{AgentConfig, ProviderKind};
 use crate::domain::MessageRole;
 use crate::domain::retry::retryable_status;
 
-/// One turn of the history sent to the model, rebuilt from committed facts.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Turn {
-    pub role: MessageRole,
-    pub text: String,
+/// One block of a turn, in the order the model produced or receives it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Content {
+    Text(String),
+    /// The model's reasoning. With a `signature` (Anthropic's extended
+    /// thinking) it is sent back unchanged; without one it is shown to people
+    /// only and never sent.
+    Reasoning {
+        text: String,
+        signature: Option<String>,
+    },
+    /// A tool call as the model made it (`id` is the provider's own).
+    ToolUse {
+        id: String,
+        name: String,
+        input: Value,
+    },
+    /// The one result of a tool call, in a user turn right after it.
+    ToolResult {
+        tool_use_id: String,
+        output: String,
+        is_error: bool,
+    },
 }
 
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// One turn of the history sent to the model, rebuilt from committed facts.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Turn {
+    pub role: MessageRole,
+    pub content: Vec<Content>,
+}
+
+impl Turn {
+    pub fn text(role: MessageRole, text: impl Into<String>) -> Turn {
+        Turn {
+            role,
+            content: vec![Content::Text(text.into())],
+        }
+    }
+
+    /// The turn's text blocks, joined.
+    pub fn plain_text(&self) -> String {
+        let mut text = String::new();
+        for content in &self.content {
+            if let Content::Text(chunk) = content {
+                text.push_str(chunk);
+            }
+        }
+        text
+    }
+
+    /// Whether this turn carries tool results (and so is not a person's
+    /// message).
+    pub fn has_tool_results(&self) -> bool {
+        self.content
+            .iter()
+            .any(|c| matches!(c, Content::ToolResult { .. }))
+    }
+
+    /// Everything the turn carries, as text, for size estimates.
+    pub fn estimate_text(&self) -> String {
+        let mut text = String::new();
+        for content in &self.content {
+            match content {
+                Content::Text(chunk) => text.push_str(chunk),
+                Content::Reasoning { text: chunk, .. } => text.push_str(chunk),
+                Content::ToolUse { name, input, .. } => {
+                    text.push_str(name);
+                    text.push_str(&input.to_string());
+                }
+                Content::ToolResult { output, .. } => text.push_str(output),
+            }
+        }
+        text
+    }
+}
+
+/// A tool the model may call.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolSpec {
+    pub name: String,
+    pub description: String,
+    pub input_schema: Value,
+}
+
+#[derive(Debug, Clone, PartialEq)]
 pub struct ModelRequest {
     pub model: String,
     pub system: Option<String>,
     pub turns: Vec<Turn>,
+    pub tools: Vec<ToolSpec>,
     pub max_tokens: u32,
+    /// Extended thinking's token budget, when the agent turns it on.
+    pub thinking_budget: Option<u32>,
     /// Which attempt of this model request this is, from 1.
     pub attempt: u32,
 }
@@ -36,6 +118,15 @@ pub struct ModelRequest {
 pub enum ModelEvent {
     Text(String),
     Reasoning(String),
+    /// The signature that closes a thinking block (sent back with it).
+    ReasoningSignature(String),
+    /// A complete tool call (its input assembled from the streamed
+    /// fragments).
+    ToolCall {
+        id: String,
+        name: String,
+        input: Value,
+    },
     /// Tokens of this request so far (providers report them at start and end).
     Usage {
         input_tokens: i64,

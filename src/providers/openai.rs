@@ -44,7 +44,7 @@ pub fn body(request: &ModelRequest) -> Value {
             MessageRole::User => "user",
             MessageRole::Assistant => "assistant",
         };
-        messages.push(json!({ "role": role, "content": turn.text }));
+        messages.push(json!({ "role": role, "content": turn.plain_text() }));
     }
     json!({
         "model": request.model,
@@ -134,11 +134,10 @@ mod tests {
         let request = ModelRequest {
             model: "gpt-x".into(),
             system: Some("Be brief.".into()),
-            turns: vec![Turn {
-                role: MessageRole::User,
-                text: "hi".into(),
-            }],
+            turns: vec![Turn::text(MessageRole::User, "hi")],
+            tools: Vec::new(),
             max_tokens: 50,
+            thinking_budget: None,
             attempt: 1,
         };
         let body = body(&request);

@@ -1,12 +1,15 @@
 //! The built-in scripted model: deterministic and offline. It quotes the
 //! latest user message in a reply streamed in small chunks; a line of that
-//! message may direct it (`/hold SECONDS`, `/fail STATUS`).
+//! message may direct it (`/hold SECONDS`, `/fail STATUS`, `/tool NAME
+//! {json}`, and the extension `/loop NAME {json}`).
 
 use std::time::Duration;
 
 use futures_util::StreamExt;
 
-use super::{ModelEvent, ModelRequest, ModelStream, Provider, ProviderError};
+use serde_json::{Value, json};
+
+use super::{Content, ModelEvent, ModelRequest, ModelStream, Provider, ProviderError};
 use crate::domain::MessageRole;
 
 /// Characters per streamed chunk.
@@ -35,31 +38,69 @@ pub enum Directive {
     Hold(Duration),
     /// The first attempt fails as a provider would with this HTTP status.
     Fail(u16),
+    /// Calls these tools (one batch), then replies with their results.
+    Tools(Vec<(String, Value)>),
+    /// Calls this tool at every step and never replies (an extension for
+    /// trying stop conditions and limits).
+    Loop(String, Value),
+}
+
+/// A tool directive's input: JSON when it parses, else the text itself (a
+/// string, which a schema will refuse, as a model's bad input would be).
+fn tool_input(rest: &str) -> Value {
+    let rest = rest.trim();
+    if rest.is_empty() {
+        return json!({});
+    }
+    serde_json::from_str(rest).unwrap_or_else(|_| Value::String(rest.to_owned()))
+}
+
+/// `NAME rest` of a tool line.
+fn tool_line(rest: &str) -> Option<(String, Value)> {
+    let rest = rest.trim_start();
+    let name: String = rest.chars().take_while(|c| !c.is_whitespace()).collect();
+    (!name.is_empty()).then(|| {
+        let input = tool_input(&rest[name.len()..]);
+        (name, input)
+    })
 }
 
 pub fn directive(text: &str) -> Directive {
+    let mut tools = Vec::new();
+    let mut other = None;
     for line in text.lines() {
+        let line = line.trim();
+        if let Some(rest) = line.strip_prefix("/tool ") {
+            tools.extend(tool_line(rest));
+            continue;
+        }
+        if let Some(rest) = line.strip_prefix("/loop ")
+            && let Some((name, input)) = tool_line(rest)
+        {
+            return Directive::Loop(name, input);
+        }
         let mut words = line.split_whitespace();
-        match (words.next(), words.next()) {
-            (Some("/hold"), Some(seconds)) => {
-                if let Ok(seconds) = seconds.parse::<f64>()
-                    && seconds.is_finite()
-                    && seconds >= 0.0
-                {
-                    return Directive::Hold(Duration::from_secs_f64(seconds.min(3600.0)));
-                }
-            }
-            (Some("/fail"), Some(status)) => {
-                if let Ok(status) = status.parse::<u16>()
-                    && (400..=599).contains(&status)
-                {
-                    return Directive::Fail(status);
-                }
-            }
-            _ => {}
+        let found = match (words.next(), words.next()) {
+            (Some("/hold"), Some(seconds)) => seconds
+                .parse::<f64>()
+                .ok()
+                .filter(|s| s.is_finite() && *s >= 0.0)
+                .map(|s| Directive::Hold(Duration::from_secs_f64(s.min(3600.0)))),
+            (Some("/fail"), Some(status)) => status
+                .parse::<u16>()
+                .ok()
+                .filter(|s| (400..=599).contains(s))
+                .map(Directive::Fail),
+            _ => None,
+        };
+        if other.is_none() {
+            other = found;
         }
     }
-    Directive::Reply
+    if !tools.is_empty() {
+        return Directive::Tools(tools);
+    }
+    other.unwrap_or(Directive::Reply)
 }
 
 /// The error a provider would answer with for `status` (Anthropic's error
@@ -86,24 +127,74 @@ pub fn failure(status: u16) -> ProviderError {
     }
 }
 
-/// The reply to a request: about forty tokens that quote the user and say
-/// how much history the model was given.
-pub fn reply(request: &ModelRequest) -> String {
-    let latest = request
+/// The person's latest message, and the tool results that came after it
+/// (with the names of their calls), newest batch last.
+fn latest(request: &ModelRequest) -> (&str, Vec<(String, String)>) {
+    let Some(at) = request
         .turns
         .iter()
-        .rev()
-        .find(|t| t.role == MessageRole::User)
-        .map_or("", |t| t.text.as_str());
-    let mut quote: String = latest.trim().chars().take(QUOTE_CHARS).collect();
-    if latest.trim().chars().count() > QUOTE_CHARS {
+        .rposition(|t| t.role == MessageRole::User && !t.plain_text().is_empty())
+    else {
+        return ("", Vec::new());
+    };
+    let person = request.turns[at]
+        .content
+        .iter()
+        .find_map(|c| match c {
+            Content::Text(text) => Some(text.as_str()),
+            _ => None,
+        })
+        .unwrap_or("");
+    let mut names = std::collections::HashMap::new();
+    let mut results = Vec::new();
+    for turn in &request.turns[at + 1..] {
+        for content in &turn.content {
+            match content {
+                Content::ToolUse { id, name, .. } => {
+                    names.insert(id.as_str(), name.as_str());
+                }
+                Content::ToolResult {
+                    tool_use_id,
+                    output,
+                    ..
+                } => results.push((
+                    names
+                        .get(tool_use_id.as_str())
+                        .map_or_else(|| tool_use_id.clone(), |n| (*n).to_owned()),
+                    output.clone(),
+                )),
+                _ => {}
+            }
+        }
+    }
+    (person, results)
+}
+
+fn quote(text: &str) -> String {
+    let mut quote: String = text.trim().chars().take(QUOTE_CHARS).collect();
+    if text.trim().chars().count() > QUOTE_CHARS {
         quote.push('…');
+    }
+    quote
+}
+
+/// The reply to a request: about forty tokens that quote the user and say
+/// how much history the model was given, or what the tools returned.
+pub fn reply(request: &ModelRequest) -> String {
+    let (person, results) = latest(request);
+    if !results.is_empty() {
+        let said: Vec<String> = results
+            .iter()
+            .map(|(name, output)| format!("{name} returned {}", quote(output)))
+            .collect();
+        return format!("The tools answered: {}.", said.join("; "));
     }
     let earlier = request.turns.len().saturating_sub(1);
     format!(
-        "You said: \"{quote}\". This is Tether's scripted model, streaming its reply in small \
+        "You said: \"{}\". This is Tether's scripted model, streaming its reply in small \
          chunks so that you can watch the message grow; it sees {earlier} earlier messages in \
-         this conversation."
+         this conversation.",
+        quote(person)
     )
 }
 
@@ -123,26 +214,34 @@ pub fn estimate_tokens(text: &str) -> i64 {
 #[async_trait::async_trait]
 impl Provider for Scripted {
     async fn stream(&self, request: ModelRequest) -> Result<ModelStream, ProviderError> {
-        let latest = request
-            .turns
-            .iter()
-            .rev()
-            .find(|t| t.role == MessageRole::User)
-            .map(|t| t.text.clone())
-            .unwrap_or_default();
+        let (person, results) = latest(&request);
         let input_tokens: i64 = request
             .turns
             .iter()
-            .map(|t| estimate_tokens(&t.text))
+            .map(|t| estimate_tokens(&t.estimate_text()))
             .sum::<i64>()
             + request.system.as_deref().map_or(0, estimate_tokens);
-        let text = reply(&request);
-        let output_tokens = estimate_tokens(&text);
-        let hold = match directive(&latest) {
+        let mut calls = Vec::new();
+        let hold = match directive(person) {
             Directive::Hold(duration) => duration,
             Directive::Fail(status) if request.attempt <= 1 => return Err(failure(status)),
-            Directive::Fail(_) | Directive::Reply => Duration::ZERO,
+            Directive::Tools(tools) if results.is_empty() => {
+                calls = tools;
+                Duration::ZERO
+            }
+            Directive::Loop(name, input) => {
+                calls = vec![(name, input)];
+                Duration::ZERO
+            }
+            Directive::Fail(_) | Directive::Reply | Directive::Tools(_) => Duration::ZERO,
         };
+        let text = if calls.is_empty() {
+            reply(&request)
+        } else {
+            let names: Vec<&str> = calls.iter().map(|(name, _)| name.as_str()).collect();
+            format!("Calling {}.", names.join(", "))
+        };
+        let output_tokens = estimate_tokens(&text);
         let delay = self.delay;
         let stream = async_stream::stream! {
             yield Ok(ModelEvent::Usage { input_tokens, output_tokens: 0 });
@@ -159,8 +258,13 @@ impl Provider for Scripted {
                 }
                 yield Ok(ModelEvent::Text(chunk));
             }
+            let stop_reason = if calls.is_empty() { "end_turn" } else { "tool_use" };
+            for (name, input) in calls {
+                let id = format!("call_{}", uuid::Uuid::now_v7().simple());
+                yield Ok(ModelEvent::ToolCall { id, name, input });
+            }
             yield Ok(ModelEvent::Usage { input_tokens, output_tokens });
-            yield Ok(ModelEvent::Finished { stop_reason: "end_turn".to_owned() });
+            yield Ok(ModelEvent::Finished { stop_reason: stop_reason.to_owned() });
         };
         Ok(stream.boxed())
     }
@@ -171,20 +275,45 @@ mod tests {
     use super::*;
     use crate::providers::Turn;
 
-    fn request(texts: &[(MessageRole, &str)]) -> ModelRequest {
+    fn request(turns: Vec<Turn>) -> ModelRequest {
         ModelRequest {
             model: "scripted".into(),
             system: None,
-            turns: texts
-                .iter()
-                .map(|(role, text)| Turn {
-                    role: *role,
-                    text: (*text).to_owned(),
-                })
-                .collect(),
+            turns,
+            tools: Vec::new(),
             max_tokens: 100,
+            thinking_budget: None,
             attempt: 1,
         }
+    }
+
+    fn texts(texts: &[(MessageRole, &str)]) -> ModelRequest {
+        request(
+            texts
+                .iter()
+                .map(|(role, text)| Turn::text(*role, *text))
+                .collect(),
+        )
+    }
+
+    async fn events(request: ModelRequest) -> Vec<ModelEvent> {
+        Scripted::new(0)
+            .stream(request)
+            .await
+            .unwrap()
+            .map(Result::unwrap)
+            .collect()
+            .await
+    }
+
+    fn text_of(events: &[ModelEvent]) -> String {
+        events
+            .iter()
+            .filter_map(|e| match e {
+                ModelEvent::Text(t) => Some(t.as_str()),
+                _ => None,
+            })
+            .collect()
     }
 
     #[test]
@@ -197,57 +326,107 @@ mod tests {
         assert_eq!(directive("/hold soon"), Directive::Reply);
         assert_eq!(directive("/fail 429"), Directive::Fail(429));
         assert_eq!(directive("/fail 200"), Directive::Reply);
+        assert_eq!(
+            directive("/tool a {\"x\": 1}\n/tool b\n/tool c not json"),
+            Directive::Tools(vec![
+                ("a".into(), json!({ "x": 1 })),
+                ("b".into(), json!({})),
+                ("c".into(), json!("not json")),
+            ])
+        );
+        assert_eq!(
+            directive("/loop a {}"),
+            Directive::Loop("a".into(), json!({}))
+        );
     }
 
     #[tokio::test]
     async fn the_stream_is_the_reply_in_chunks_with_usage() {
-        let request = request(&[
+        let request = texts(&[
             (MessageRole::User, "hi"),
             (MessageRole::Assistant, "hello"),
             (MessageRole::User, "héllo wörld"),
         ]);
-        let events: Vec<_> = Scripted::new(0)
-            .stream(request.clone())
-            .await
-            .unwrap()
-            .collect()
-            .await;
-        let text: String = events
-            .iter()
-            .filter_map(|e| match e {
-                Ok(ModelEvent::Text(t)) => Some(t.as_str()),
-                _ => None,
-            })
-            .collect();
+        let events = events(request.clone()).await;
+        let text = text_of(&events);
         assert_eq!(text, reply(&request));
         assert!(text.contains("\"héllo wörld\""));
         assert!(text.contains("sees 2 earlier messages"));
-        assert!(matches!(
-            events.last(),
-            Some(Ok(ModelEvent::Finished { .. }))
-        ));
+        assert!(matches!(events.last(), Some(ModelEvent::Finished { .. })));
         let words = text.split_whitespace().count();
         assert!((25..=60).contains(&words), "{words} words");
     }
-}
 
-#[cfg(test)]
-mod fail_tests {
-    use super::*;
-    use crate::providers::Turn;
+    #[tokio::test]
+    async fn tool_directives_call_once_then_reply_with_the_results() {
+        let first = events(texts(&[(
+            MessageRole::User,
+            "/tool echo {\"n\": 1}\n/tool other",
+        )]))
+        .await;
+        let calls: Vec<(String, String, Value)> = first
+            .iter()
+            .filter_map(|e| match e {
+                ModelEvent::ToolCall { id, name, input } => {
+                    Some((id.clone(), name.clone(), input.clone()))
+                }
+                _ => None,
+            })
+            .collect();
+        assert_eq!(calls.len(), 2);
+        assert_eq!(
+            (calls[0].1.as_str(), &calls[0].2),
+            ("echo", &json!({ "n": 1 }))
+        );
+        assert_ne!(calls[0].0, calls[1].0, "call ids are distinct");
+        assert_eq!(
+            first.last(),
+            Some(&ModelEvent::Finished {
+                stop_reason: "tool_use".into()
+            })
+        );
+
+        let mut turns = vec![Turn::text(MessageRole::User, "/tool echo {\"n\": 1}")];
+        turns.push(Turn {
+            role: MessageRole::Assistant,
+            content: vec![Content::ToolUse {
+                id: "c1".into(),
+                name: "echo".into(),
+                input: json!({ "n": 1 }),
+            }],
+        });
+        turns.push(Turn {
+            role: MessageRole::User,
+            content: vec![Content::ToolResult {
+                tool_use_id: "c1".into(),
+                output: "{\"n\":1}".into(),
+                is_error: false,
+            }],
+        });
+        let second = events(request(turns.clone())).await;
+        assert!(
+            !second
+                .iter()
+                .any(|e| matches!(e, ModelEvent::ToolCall { .. }))
+        );
+        assert_eq!(
+            text_of(&second),
+            "The tools answered: echo returned {\"n\":1}."
+        );
+
+        // `/loop` calls again whatever came back.
+        turns[0] = Turn::text(MessageRole::User, "/loop echo {}");
+        let looped = events(request(turns)).await;
+        assert!(
+            looped
+                .iter()
+                .any(|e| matches!(e, ModelEvent::ToolCall { .. }))
+        );
+    }
 
     #[tokio::test]
     async fn fail_fails_the_first_attempt_only() {
-        let mut request = ModelRequest {
-            model: "scripted".into(),
-            system: None,
-            turns: vec![Turn {
-                role: MessageRole::User,
-                text: "/fail 429".into(),
-            }],
-            max_tokens: 100,
-            attempt: 1,
-        };
+        let mut request = texts(&[(MessageRole::User, "/fail 429")]);
         let Err(err) = Scripted::new(0).stream(request.clone()).await else {
             panic!("the first attempt fails");
         };

@@ -23,7 +23,11 @@ pub fn estimate_tokens(text: &str) -> u64 {
 }
 
 pub fn estimate_request(system: Option<&str>, turns: &[Turn]) -> u64 {
-    system.map_or(0, estimate_tokens) + turns.iter().map(|t| estimate_tokens(&t.text)).sum::<u64>()
+    system.map_or(0, estimate_tokens)
+        + turns
+            .iter()
+            .map(|t| estimate_tokens(&t.estimate_text()))
+            .sum::<u64>()
 }
 
 /// Which leading turns to summarize.
@@ -59,15 +63,14 @@ pub async fn summarize(
     turns: &[Turn],
 ) -> Result<(String, i64, i64), ProviderError> {
     let mut turns = turns.to_vec();
-    turns.push(Turn {
-        role: MessageRole::User,
-        text: INSTRUCTION.to_owned(),
-    });
+    turns.push(Turn::text(MessageRole::User, INSTRUCTION));
     let request = ModelRequest {
         model: model.to_owned(),
         system: None,
         turns,
+        tools: Vec::new(),
         max_tokens,
+        thinking_budget: None,
         attempt: 1,
     };
     let mut stream = provider.stream(request).await?;
@@ -80,7 +83,9 @@ pub async fn summarize(
                 output_tokens,
             } => (input, output) = (input_tokens, output_tokens),
             ModelEvent::Finished { .. } => break,
-            ModelEvent::Reasoning(_) => {}
+            ModelEvent::Reasoning(_)
+            | ModelEvent::ReasoningSignature(_)
+            | ModelEvent::ToolCall { .. } => {}
         }
     }
     Ok((text, input, output))
@@ -93,14 +98,12 @@ mod tests {
     fn history(lengths: &[usize]) -> History {
         let mut history = History::default();
         for (i, len) in lengths.iter().enumerate() {
-            history.turns.push(Turn {
-                role: if i % 2 == 0 {
-                    MessageRole::User
-                } else {
-                    MessageRole::Assistant
-                },
-                text: "x".repeat(*len),
-            });
+            let role = if i % 2 == 0 {
+                MessageRole::User
+            } else {
+                MessageRole::Assistant
+            };
+            history.turns.push(Turn::text(role, "x".repeat(*len)));
             history.sources.push(Some(Uuid::from_u128(i as u128 + 1)));
         }
         history

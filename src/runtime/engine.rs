@@ -163,7 +163,9 @@ async fn drive(
         model: agent.model_name().to_owned(),
         system: agent.system.clone(),
         turns: history.turns,
+        tools: Vec::new(),
         max_tokens: agent.max_tokens,
+        thinking_budget: agent.thinking_budget_tokens,
         attempt: run.attempt.max(1) as u32,
     };
 
@@ -456,6 +458,7 @@ impl Stream<'_> {
                                 attempt.input_tokens = input_tokens;
                                 attempt.output_tokens = output_tokens;
                             }
+                            Some(Ok(ModelEvent::ReasoningSignature(_) | ModelEvent::ToolCall { .. })) => {}
                             Some(Ok(ModelEvent::Finished { .. })) | None => {
                                 outcome = Some(Inference::Done);
                                 break;

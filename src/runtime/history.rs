@@ -38,10 +38,10 @@ pub async fn load(store: &Store, run: &run::Model) -> Result<History> {
     let mut parts = reads::parts_of(db, &run.tenant, &ids).await?;
     let mut history = History::default();
     if let Some(summary) = &latest_summary {
-        history.turns.push(Turn {
-            role: MessageRole::User,
-            text: format!("{SUMMARY_HEADING}\n{}", summary.text),
-        });
+        history.turns.push(Turn::text(
+            MessageRole::User,
+            format!("{SUMMARY_HEADING}\n{}", summary.text),
+        ));
         history.sources.push(None);
     }
     for message in messages {
@@ -63,7 +63,7 @@ pub async fn load(store: &Store, run: &run::Model) -> Result<History> {
             }
         }
         if !text.is_empty() {
-            history.turns.push(Turn { role, text });
+            history.turns.push(Turn::text(role, text));
             history.sources.push(Some(message.id));
         }
     }
