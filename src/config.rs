@@ -78,6 +78,8 @@ pub struct RuntimeConfig {
     pub poll_ms: u64,
     /// How long shutdown waits for in-flight runs to reach a commit point.
     pub shutdown_grace_secs: f64,
+    /// Calls of one batch that run at once.
+    pub tool_concurrency: usize,
 }
 
 impl Default for RuntimeConfig {
@@ -90,6 +92,7 @@ impl Default for RuntimeConfig {
             concurrency: 16,
             poll_ms: 1000,
             shutdown_grace_secs: 10.0,
+            tool_concurrency: 4,
         }
     }
 }

@@ -11,6 +11,7 @@ use crate::bus::{self, Bus};
 use crate::config::Config;
 use crate::runtime::{Runtime, RuntimeOptions};
 use crate::store::Store;
+use crate::tools;
 use tokio_util::sync::CancellationToken;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -76,10 +77,12 @@ pub async fn start(config: Config, role: Role) -> anyhow::Result<Running> {
         );
     }
     let file = Arc::new(config.file.clone());
+    let tools = Arc::new(tools::registry::Registry::from_config(&config.file)?);
     let runtime = (role != Role::Api).then(|| {
         Runtime::start(
             store.clone(),
             file.clone(),
+            tools,
             RuntimeOptions {
                 instance_id: instance_id(),
                 sole_owner: config.database_url.starts_with("sqlite:"),

@@ -8,6 +8,7 @@ pub use sea_orm_migration::prelude::*;
 mod m0001_initial;
 mod m0002_runtime;
 mod m0003_summaries;
+mod m0004_tool_calls;
 mod shape;
 
 pub struct Migrator;
@@ -19,6 +20,7 @@ impl MigratorTrait for Migrator {
             Box::new(m0001_initial::Migration),
             Box::new(m0002_runtime::Migration),
             Box::new(m0003_summaries::Migration),
+            Box::new(m0004_tool_calls::Migration),
         ]
     }
 }

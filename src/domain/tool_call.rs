@@ -5,6 +5,8 @@
 //! replayed was cut off mid-flight. Recovery never turns EXECUTING back
 //! into REQUESTED, and a terminal call never moves again.
 
+use serde_json::{Value, json};
+
 use super::stored_enum;
 
 stored_enum!(
@@ -135,6 +137,71 @@ impl ToolCallState {
     }
 }
 
+/// What a tool call's output looks like inline (in `ToolCall.output` and in
+/// the model's history): whole when it fits, else its JSON text cut on a
+/// character boundary with a note saying how much was cut; the whole output
+/// is kept beside it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct InlineOutput {
+    pub inline: Value,
+    pub full: Option<String>,
+    pub truncated: bool,
+}
+
+pub fn inline_output(output: &Value, max_bytes: usize) -> InlineOutput {
+    let text = output.to_string();
+    if text.len() <= max_bytes {
+        return InlineOutput {
+            inline: output.clone(),
+            full: None,
+            truncated: false,
+        };
+    }
+    let mut cut = max_bytes;
+    while !text.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    let note = format!(
+        "[output truncated: {} of {} bytes cut]",
+        text.len() - cut,
+        text.len()
+    );
+    InlineOutput {
+        inline: Value::String(format!("{}…\n{note}", &text[..cut])),
+        full: Some(text),
+        truncated: true,
+    }
+}
+
+/// The result a call gets when Tether, not the tool, decides its outcome.
+pub fn closing_output(outcome: ToolOutcome) -> Value {
+    let error = match outcome {
+        ToolOutcome::NotStarted => "not started: the run ended before this call ran",
+        ToolOutcome::Interrupted => {
+            "interrupted: the run was cancelled while this call was running; it may or may not \
+             have taken effect"
+        }
+        ToolOutcome::Unknown => {
+            "unknown outcome: the server stopped while this call was running and the tool must \
+             not be called twice, so it may or may not have taken effect; check before repeating it"
+        }
+        ToolOutcome::Denied => "denied: a person refused this call",
+        ToolOutcome::Expired => "expired: nobody answered in time",
+        ToolOutcome::Succeeded | ToolOutcome::Failed => "no result was recorded",
+    };
+    json!({ "error": error, "outcome": outcome.as_str() })
+}
+
+/// The text a model reads as a call's result: a string output as it is,
+/// anything else as JSON.
+pub fn result_text(output: Option<&Value>) -> String {
+    match output {
+        Some(Value::String(text)) => text.clone(),
+        Some(other) => other.to_string(),
+        None => closing_output(ToolOutcome::Failed).to_string(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -187,6 +254,25 @@ mod tests {
         assert_eq!(cancelled.outcome, Some(ToolOutcome::Interrupted));
         let not_started = ToolCallState::REQUESTED.apply(ToolInput::Cancel).unwrap();
         assert_eq!(not_started.outcome, Some(ToolOutcome::NotStarted));
+    }
+
+    #[test]
+    fn large_outputs_are_cut_on_a_character_boundary_with_a_note() {
+        let small = json!({ "ok": true });
+        assert_eq!(inline_output(&small, 100).inline, small);
+        assert!(!inline_output(&small, 100).truncated);
+        let big = json!({ "text": "é".repeat(100) });
+        let text = big.to_string();
+        let cut = inline_output(&big, 20);
+        assert!(cut.truncated);
+        assert_eq!(cut.full.as_deref(), Some(text.as_str()));
+        let inline = cut.inline.as_str().unwrap();
+        assert!(inline.starts_with("{\"text\":\"é"), "{inline}");
+        // 20 bytes fall inside an "é": the cut moves back to 19.
+        assert!(
+            inline.ends_with(&format!("[output truncated: {} of {} bytes cut]", text.len() - 19, text.len())),
+            "{inline}"
+        );
     }
 
     #[test]

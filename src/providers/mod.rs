@@ -74,21 +74,19 @@ impl Turn {
             .any(|c| matches!(c, Content::ToolResult { .. }))
     }
 
-    /// Everything the turn carries, as text, for size estimates.
-    pub fn estimate_text(&self) -> String {
-        let mut text = String::new();
-        for content in &self.content {
-            match content {
-                Content::Text(chunk) => text.push_str(chunk),
-                Content::Reasoning { text: chunk, .. } => text.push_str(chunk),
-                Content::ToolUse { name, input, .. } => {
-                    text.push_str(name);
-                    text.push_str(&input.to_string());
-                }
-                Content::ToolResult { output, .. } => text.push_str(output),
-            }
-        }
-        text
+    /// Everything the turn carries, as readable text: for size estimates
+    /// and for a summarizer that is given no tools.
+    pub fn as_text(&self) -> String {
+        let pieces: Vec<String> = self
+            .content
+            .iter()
+            .map(|content| match content {
+                Content::Text(text) | Content::Reasoning { text, .. } => text.clone(),
+                Content::ToolUse { name, input, .. } => format!("[called {name} with {input}]"),
+                Content::ToolResult { output, .. } => format!("[tool result: {output}]"),
+            })
+            .collect();
+        pieces.join("\n")
     }
 }
 

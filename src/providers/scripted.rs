@@ -218,7 +218,7 @@ impl Provider for Scripted {
         let input_tokens: i64 = request
             .turns
             .iter()
-            .map(|t| estimate_tokens(&t.estimate_text()))
+            .map(|t| estimate_tokens(&t.as_text()))
             .sum::<i64>()
             + request.system.as_deref().map_or(0, estimate_tokens);
         let mut calls = Vec::new();

@@ -26,7 +26,7 @@ pub fn estimate_request(system: Option<&str>, turns: &[Turn]) -> u64 {
     system.map_or(0, estimate_tokens)
         + turns
             .iter()
-            .map(|t| estimate_tokens(&t.estimate_text()))
+            .map(|t| estimate_tokens(&t.as_text()))
             .sum::<u64>()
 }
 
@@ -45,7 +45,16 @@ pub fn plan(history: &History, system: Option<&str>, context: &ContextConfig) ->
         return None;
     }
     let keep = context.keep_recent_messages as usize;
-    let turns = history.turns.len().checked_sub(keep)?;
+    let mut turns = history.turns.len().checked_sub(keep)?;
+    // The cut falls between messages, never inside one: a reply's steps,
+    // and a tool call with its result, stay together.
+    while turns > 0
+        && turns < history.turns.len()
+        && history.sources[turns].is_some()
+        && history.sources[turns] == history.sources[turns - 1]
+    {
+        turns -= 1;
+    }
     let covered = &history.sources[..turns];
     let through = covered.iter().rev().find_map(|s| *s)?;
     Some(Plan {
@@ -62,7 +71,14 @@ pub async fn summarize(
     max_tokens: u32,
     turns: &[Turn],
 ) -> Result<(String, i64, i64), ProviderError> {
-    let mut turns = turns.to_vec();
+    // The summarizer reads tool calls and results as text, so the request
+    // needs no tool definitions and cannot break the providers' pairing
+    // rules.
+    let mut turns: Vec<Turn> = turns
+        .iter()
+        .map(|turn| Turn::text(turn.role, turn.as_text()))
+        .filter(|turn| !turn.plain_text().is_empty())
+        .collect();
     turns.push(Turn::text(MessageRole::User, INSTRUCTION));
     let request = ModelRequest {
         model: model.to_owned(),

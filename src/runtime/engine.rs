@@ -12,17 +12,22 @@ use tokio::time::{Instant, sleep_until};
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
+use serde_json::json;
+
 use super::history::History;
-use super::{compaction, failpoints, history};
+use super::{batch, compaction, failpoints, history, stop};
 use crate::config::{AgentConfig, FileConfig, Limits};
+use crate::domain::tool_call::ToolOutcome;
 use crate::domain::PartKind;
 use crate::domain::cursor::Cursor;
 use crate::domain::event::{Event, EventBody, EventKind};
 use crate::domain::retry::RetryPolicy;
 use crate::domain::run::{EndCause, RunError, Usage};
 use crate::domain::time::now_millis;
-use crate::providers::{self, ModelEvent, ModelRequest, Provider, ProviderError};
-use crate::store::entities::run;
+use crate::providers::{self, ModelEvent, ModelRequest, Provider, ProviderError, ToolSpec};
+use crate::store::entities::{run, tool_call};
+use crate::store::tool_calls::{self, NewToolCall, Verdict};
+use crate::tools::registry::{Registry, Tool};
 use crate::store::runs::{
     self, Begun, Compaction, Ending, Lease, OpenPart, PartText, RetryAfterFailure, utf16_len,
 };
@@ -73,6 +78,7 @@ enum Inference {
 pub async fn execute(
     store: Store,
     config: Arc<FileConfig>,
+    tools: Arc<Registry>,
     claimed: run::Model,
     control: Arc<Control>,
 ) {
@@ -83,7 +89,7 @@ pub async fn execute(
         conversation_id = %lease.conversation_id,
         epoch = lease.epoch
     );
-    match drive(&store, &config, &lease, &control)
+    match drive(&store, &config, &tools, &lease, &control)
         .instrument(span.clone())
         .await
     {
@@ -102,6 +108,7 @@ pub async fn execute(
 async fn drive(
     store: &Store,
     config: &FileConfig,
+    tools: &Registry,
     lease: &Lease,
     control: &Control,
 ) -> store::Result<()> {
@@ -126,130 +133,340 @@ async fn drive(
         )
         .await;
     }
-
-    // Step start: limits.
     let limits = &agent.limits;
     let remaining_ms = (limits.timeout_secs as i64 * 1000 - run.active_ms).max(0);
-    if remaining_ms == 0 {
-        let ending = failed(
-            EndCause::Timeout,
-            "the run used up its time".into(),
-            so_far,
-            run.steps,
-        );
-        return end(store, lease, &attempt, ending).await;
-    }
-    if run.steps >= limits.max_steps as i32 {
-        let message = format!("the run reached {} steps", limits.max_steps);
-        let ending = failed(EndCause::StepLimit, message, so_far, run.steps);
-        return end(store, lease, &attempt, ending).await;
-    }
     let deadline = Instant::now() + Duration::from_millis(remaining_ms as u64);
-
-    // Before inference: the history, from committed facts only, compacted
-    // when it would exceed the context budget.
     let provider = providers::for_agent(agent);
-    let history = history::load(store, run).await?;
-    let context = Context {
+    let steps = Steps {
         store,
         lease,
         run,
         agent,
+        tools,
+        offered: tools.for_agent(agent),
         provider: provider.as_ref(),
         control,
-    };
-    let history = compact(&context, history, &mut attempt).await?;
-    let request = ModelRequest {
-        model: agent.model_name().to_owned(),
-        system: agent.system.clone(),
-        turns: history.turns,
-        tools: Vec::new(),
-        max_tokens: agent.max_tokens,
-        thinking_budget: agent.thinking_budget_tokens,
-        attempt: run.attempt.max(1) as u32,
-    };
-
-    // Inference.
-    let stream = Stream {
-        store,
-        lease,
-        checkpoint_every: Duration::from_millis(config.runtime.checkpoint_ms),
         deadline,
-        control,
+        checkpoint_every: Duration::from_millis(config.runtime.checkpoint_ms),
+        tool_concurrency: config.runtime.tool_concurrency.max(1),
     };
-    let inference = stream
-        .infer(provider.as_ref(), request, &mut attempt)
-        .await?;
-
-    // After inference, step end, run end.
-    let steps = run.steps + 1;
-    let usage = attempt.usage(agent);
-    match inference {
-        Inference::Done => {
-            let ending = match over_ceiling(limits, &usage) {
-                Some((cause, message)) => failed(cause, message, usage, steps),
-                None => ended(EndCause::Natural, usage, steps),
-            };
-            end(store, lease, &attempt, ending).await
+    let mut step = run.steps;
+    // A batch of tool calls that an earlier claim left unfinished is
+    // finished, from its committed facts, before the model hears anything.
+    if begun.part.is_none() {
+        let calls = tool_calls::of_step(store, run.id, step).await?;
+        match steps.finish_batch(&calls, step, attempt).await? {
+            Next::Step(next) => attempt = next,
+            Next::Over => return Ok(()),
         }
-        Inference::TimedOut => {
-            let ending = failed(
-                EndCause::Timeout,
-                "the run used up its time".into(),
-                usage,
-                steps,
-            );
-            end(store, lease, &attempt, ending).await
-        }
-        Inference::Failed(err) => {
-            let error = provider_error(&err);
-            let policy = retry_policy(agent);
-            let failed_attempt = run.attempt.max(1);
-            if !(err.is_transient() && policy.allows_another(failed_attempt as u32)) {
-                let ending = Ending {
-                    cause: EndCause::Error,
-                    error: Some(error),
-                    usage,
-                    steps,
-                };
-                return end(store, lease, &attempt, ending).await;
-            }
-            let delay = policy.delay(failed_attempt as u32, err.retry_after(), fastrand::f64());
-            tracing::info!(
-                attempt = failed_attempt,
-                delay_ms = delay.as_millis() as u64,
-                error = %err,
-                "model request failed; retrying"
-            );
-            let retry = RetryAfterFailure {
-                failed_attempt,
-                max_attempts: policy.max_attempts as i32,
-                delay_ms: delay.as_millis() as i64,
-                error,
-            };
-            runs::schedule_retry(store, lease, &attempt.texts(), retry).await?;
-            failpoints::hit("after_retry_scheduled");
-            // Any worker claims it when due (polling covers a crash); this
-            // one wakes its own process right on time.
-            let bus = store.bus().clone();
-            tokio::spawn(async move {
-                tokio::time::sleep(delay).await;
-                bus.wake_workers();
-            });
-            Ok(())
-        }
-        Inference::Stopped(Stop::Cancelled) => {
-            end(
-                store,
-                lease,
-                &attempt,
-                ended(EndCause::Cancelled, usage, run.steps),
-            )
-            .await
-        }
-        Inference::Stopped(Stop::Shutdown) => runs::release(store, lease, &attempt.texts()).await,
-        Inference::Stopped(Stop::LeaseLost) => Err(store::Error::Fenced),
+        step += 1;
     }
+    loop {
+        match steps.step(step, attempt).await? {
+            Next::Step(next) => attempt = next,
+            Next::Over => return Ok(()),
+        }
+        step += 1;
+    }
+}
+
+/// What comes after a step: another one, or nothing (the run ended, was
+/// handed back, or parked for a retry).
+enum Next {
+    Step(Attempt),
+    Over,
+}
+
+/// Everything a run's steps share within one claim.
+struct Steps<'a> {
+    store: &'a Store,
+    lease: &'a Lease,
+    run: &'a run::Model,
+    agent: &'a AgentConfig,
+    tools: &'a Registry,
+    /// The tools this agent offers its model.
+    offered: Vec<Arc<Tool>>,
+    provider: &'a dyn Provider,
+    control: &'a Control,
+    deadline: Instant,
+    checkpoint_every: Duration,
+    tool_concurrency: usize,
+}
+
+impl Steps<'_> {
+    /// One step: limits, the history, an inference, and then either the run's
+    /// end or a batch of tool calls.
+    async fn step(&self, step: i32, mut attempt: Attempt) -> store::Result<Next> {
+        let (store, lease, agent) = (self.store, self.lease, self.agent);
+        let limits = &agent.limits;
+        // Step start: limits.
+        if let Some(stop) = self.control.reason() {
+            return self.stop(stop, &attempt, step).await;
+        }
+        if Instant::now() >= self.deadline {
+            return self.timed_out(&attempt, step).await;
+        }
+        if step >= limits.max_steps as i32 {
+            let message = format!("the run reached its limit of {} steps", limits.max_steps);
+            let ending = failed(EndCause::StepLimit, message, attempt.usage(agent), step);
+            return over(end(store, lease, &attempt, ending).await);
+        }
+
+        // Before inference: the history, from committed facts only, compacted
+        // when it would exceed the context budget.
+        let history = history::load(store, self.run).await?;
+        let context = Context {
+            store,
+            lease,
+            run: self.run,
+            agent,
+            provider: self.provider,
+            control: self.control,
+        };
+        let history = compact(&context, history, &mut attempt).await?;
+        let request = ModelRequest {
+            model: agent.model_name().to_owned(),
+            system: agent.system.clone(),
+            turns: history.turns,
+            tools: self
+                .offered
+                .iter()
+                .map(|tool| ToolSpec {
+                    name: tool.name.clone(),
+                    description: tool.description.clone(),
+                    input_schema: tool.input_schema.clone(),
+                })
+                .collect(),
+            max_tokens: agent.max_tokens,
+            thinking_budget: agent.thinking_budget_tokens,
+            attempt: attempt.request_attempt as u32,
+        };
+
+        // Inference.
+        let stream = Stream {
+            store,
+            lease,
+            checkpoint_every: self.checkpoint_every,
+            deadline: self.deadline,
+            control: self.control,
+        };
+        let inference = stream.infer(self.provider, request, &mut attempt).await?;
+
+        // After inference.
+        let usage = attempt.usage(agent);
+        match inference {
+            Inference::Done if attempt.calls.is_empty() => {
+                // Step end and run end, in one commit.
+                let text = attempt.text();
+                let ending = match over_ceiling(limits, &usage)
+                    .or_else(|| stop::content_matched(&agent.stop, &text))
+                {
+                    Some((cause, message)) => stopped_by(cause, message, usage, step + 1),
+                    None => ended(EndCause::Natural, usage, step + 1),
+                };
+                over(end(store, lease, &attempt, ending).await)
+            }
+            Inference::Done => {
+                let calls = self.request_tools(step, &mut attempt).await?;
+                match calls {
+                    Some(calls) => self.finish_batch(&calls, step, attempt).await,
+                    None => Ok(Next::Over),
+                }
+            }
+            Inference::TimedOut => self.timed_out(&attempt, step).await,
+            Inference::Failed(err) => {
+                self.retry_or_fail(err, &attempt, usage, step).await?;
+                Ok(Next::Over)
+            }
+            Inference::Stopped(stop) => self.stop(stop, &attempt, step).await,
+        }
+    }
+
+    /// Commits the step's output and its tool calls, `REQUESTED` as a whole
+    /// batch before any runs (refused ones already with their result).
+    /// `None` when the batch reached the run's tool call limit and ended it.
+    async fn request_tools(
+        &self,
+        step: i32,
+        attempt: &mut Attempt,
+    ) -> store::Result<Option<Vec<tool_call::Model>>> {
+        let limits = &self.agent.limits;
+        let earlier = tool_calls::of_run(self.store, self.run.id).await?.len();
+        let asked = std::mem::take(&mut attempt.calls);
+        let over_limit = earlier + asked.len() > limits.max_tool_calls as usize;
+        let calls = asked
+            .into_iter()
+            .map(|call| {
+                let verdict = if over_limit {
+                    Verdict::Refuse(ToolOutcome::NotStarted, json!({
+                        "error": format!(
+                            "not started: the run reached its limit of {} tool calls",
+                            limits.max_tool_calls
+                        )
+                    }))
+                } else {
+                    batch::verdict(&self.offered, &call.name, &call.input)
+                };
+                NewToolCall {
+                    provider_call_id: call.id,
+                    name: call.name,
+                    model_input: call.input,
+                    verdict,
+                }
+            })
+            .collect();
+        let ending = over_limit.then(|| {
+            let message = format!(
+                "the model asked for more than the run's limit of {} tool calls",
+                limits.max_tool_calls
+            );
+            failed(EndCause::ToolCallLimit, message, attempt.usage(self.agent), step + 1)
+        });
+        let ended = ending.is_some();
+        let (calls, cursor) = tool_calls::request(
+            self.store,
+            self.lease,
+            &attempt.texts(),
+            calls,
+            limits.max_inline_tool_output_bytes,
+            ending,
+        )
+        .await?;
+        failpoints::hit("after_tools_requested");
+        // The step's parts are closed now.
+        attempt.parts.clear();
+        attempt.cursor = cursor;
+        Ok((!ended).then_some(calls))
+    }
+
+    /// Runs what is left of a committed batch, then ends the step: the stop
+    /// conditions and ceilings are checked, and the next step opens.
+    async fn finish_batch(
+        &self,
+        calls: &[tool_call::Model],
+        step: i32,
+        attempt: Attempt,
+    ) -> store::Result<Next> {
+        let (store, lease, agent) = (self.store, self.lease, self.agent);
+        let runner = batch::Runner {
+            store,
+            lease,
+            tools: self.tools,
+            run_id: self.run.id,
+            retry: retry_policy(agent),
+            max_inline_bytes: agent.limits.max_inline_tool_output_bytes,
+            concurrency: self.tool_concurrency,
+        };
+        let work = runner.run(calls);
+        tokio::pin!(work);
+        loop {
+            tokio::select! {
+                done = &mut work => {
+                    done?;
+                    break;
+                }
+                () = self.control.token.cancelled(), if self.control.reason() != Some(Stop::Shutdown) => {
+                    // Dropping the work aborts the running requests.
+                    return self.stop(self.control.reason().unwrap_or(Stop::Cancelled), &attempt, step).await;
+                }
+                () = sleep_until(self.deadline) => return self.timed_out(&attempt, step).await,
+            }
+        }
+        // A shutdown lets the batch finish (within the grace period), then
+        // hands the run back.
+        if let Some(stop) = self.control.reason() {
+            return self.stop(stop, &attempt, step).await;
+        }
+
+        // Step end.
+        let usage = attempt.usage(agent);
+        let all = tool_calls::of_run(store, self.run.id).await?;
+        let text = attempt.text();
+        let condition = over_ceiling(&agent.limits, &usage)
+            .or_else(|| stop::after_tools(&agent.stop, &all, step, &text));
+        if let Some((cause, message)) = condition {
+            let ending = stopped_by(cause, message, usage, step + 1);
+            return over(end(store, lease, &attempt, ending).await);
+        }
+        let (part, cursor) = runs::end_step(store, lease, usage).await?;
+        failpoints::hit("after_step");
+        Ok(Next::Step(Attempt::next(usage, part, cursor)))
+    }
+
+    /// The worker stops before the run is done.
+    async fn stop(&self, stop: Stop, attempt: &Attempt, step: i32) -> store::Result<Next> {
+        let usage = attempt.usage(self.agent);
+        match stop {
+            Stop::Cancelled => {
+                let ending = ended(EndCause::Cancelled, usage, step);
+                over(end(self.store, self.lease, attempt, ending).await)
+            }
+            Stop::Shutdown => over(runs::release(self.store, self.lease, &attempt.texts()).await),
+            Stop::LeaseLost => Err(store::Error::Fenced),
+        }
+    }
+
+    async fn timed_out(&self, attempt: &Attempt, step: i32) -> store::Result<Next> {
+        let ending = failed(
+            EndCause::Timeout,
+            "the run used up its time".into(),
+            attempt.usage(self.agent),
+            step,
+        );
+        over(end(self.store, self.lease, attempt, ending).await)
+    }
+
+    /// A failed model request: parked for another attempt when the failure
+    /// is transient and the budget allows, else the run fails with it.
+    async fn retry_or_fail(
+        &self,
+        err: ProviderError,
+        attempt: &Attempt,
+        usage: Usage,
+        step: i32,
+    ) -> store::Result<()> {
+        let (store, lease) = (self.store, self.lease);
+        let error = provider_error(&err);
+        let policy = retry_policy(self.agent);
+        let failed_attempt = attempt.request_attempt;
+        if !(err.is_transient() && policy.allows_another(failed_attempt as u32)) {
+            let ending = Ending {
+                cause: EndCause::Error,
+                reason: Some(error.message.clone()),
+                error: Some(error),
+                usage,
+                steps: step,
+            };
+            return end(store, lease, attempt, ending).await;
+        }
+        let delay = policy.delay(failed_attempt as u32, err.retry_after(), fastrand::f64());
+        tracing::info!(
+            attempt = failed_attempt,
+            delay_ms = delay.as_millis() as u64,
+            error = %err,
+            "model request failed; retrying"
+        );
+        let retry = RetryAfterFailure {
+            failed_attempt,
+            max_attempts: policy.max_attempts as i32,
+            delay_ms: delay.as_millis() as i64,
+            error,
+        };
+        runs::schedule_retry(store, lease, &attempt.texts(), retry).await?;
+        failpoints::hit("after_retry_scheduled");
+        // Any worker claims it when due (polling covers a crash); this one
+        // wakes its own process right on time.
+        let bus = store.bus().clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(delay).await;
+            bus.wake_workers();
+        });
+        Ok(())
+    }
+}
+
+fn over(result: store::Result<()>) -> store::Result<Next> {
+    result.map(|()| Next::Over)
 }
 
 /// Replaces the older turns by a summary when the history would exceed the
@@ -317,16 +534,29 @@ struct Context<'a> {
     control: &'a Control,
 }
 
-/// The parts an attempt streams into (in display order), and what it used.
+/// The parts an attempt streams into (in display order), the tool calls
+/// the model asked for, and what it used.
 struct Attempt {
     /// The run's usage before this inference.
     base: Usage,
+    /// Which attempt of this step's model request this is, from 1.
+    request_attempt: i32,
     message_id: uuid::Uuid,
     parts: Vec<Streaming>,
+    /// The signature that closes the reasoning part.
+    signature: Option<String>,
+    calls: Vec<AskedCall>,
     /// The newest persisted cursor, carried by live deltas.
     cursor: Cursor,
     input_tokens: i64,
     output_tokens: i64,
+}
+
+/// A tool call as the model streamed it, not yet committed.
+struct AskedCall {
+    id: String,
+    name: String,
+    input: serde_json::Value,
 }
 
 struct Streaming {
@@ -335,30 +565,60 @@ struct Streaming {
     persisted: usize,
 }
 
+impl Streaming {
+    fn new(part: OpenPart) -> Streaming {
+        Streaming {
+            part,
+            text: String::new(),
+            persisted: 0,
+        }
+    }
+}
+
 impl Attempt {
     fn new(begun: &Begun) -> Attempt {
         Attempt {
             base: usage_of(&begun.run),
-            message_id: begun.part.message_id,
-            parts: vec![Streaming {
-                part: begun.part,
-                text: String::new(),
-                persisted: 0,
-            }],
+            request_attempt: begun.run.attempt.max(1),
+            message_id: begun.message_id,
+            parts: begun.part.into_iter().map(Streaming::new).collect(),
+            signature: None,
+            calls: Vec::new(),
             cursor: begun.cursor,
             input_tokens: 0,
             output_tokens: 0,
         }
     }
 
+    /// The next step's attempt, streaming into the part its step opened.
+    fn next(base: Usage, part: OpenPart, cursor: Cursor) -> Attempt {
+        Attempt {
+            base,
+            request_attempt: 1,
+            message_id: part.message_id,
+            parts: vec![Streaming::new(part)],
+            signature: None,
+            calls: Vec::new(),
+            cursor,
+            input_tokens: 0,
+            output_tokens: 0,
+        }
+    }
+
+    fn part_text(&self, streaming: &Streaming) -> PartText {
+        let data = match (&self.signature, streaming.part.kind) {
+            (Some(signature), PartKind::Reasoning) => Some(json!({ "signature": signature })),
+            _ => None,
+        };
+        PartText {
+            part: streaming.part,
+            text: streaming.text.clone(),
+            data,
+        }
+    }
+
     fn texts(&self) -> Vec<PartText> {
-        self.parts
-            .iter()
-            .map(|s| PartText {
-                part: s.part,
-                text: s.text.clone(),
-            })
-            .collect()
+        self.parts.iter().map(|s| self.part_text(s)).collect()
     }
 
     /// Parts with text not yet persisted.
@@ -366,10 +626,16 @@ impl Attempt {
         self.parts
             .iter()
             .filter(|s| s.text.len() != s.persisted)
-            .map(|s| PartText {
-                part: s.part,
-                text: s.text.clone(),
-            })
+            .map(|s| self.part_text(s))
+            .collect()
+    }
+
+    /// What the model said in this attempt (its text parts).
+    fn text(&self) -> String {
+        self.parts
+            .iter()
+            .filter(|s| s.part.kind == PartKind::Text)
+            .map(|s| s.text.as_str())
             .collect()
     }
 
@@ -458,7 +724,12 @@ impl Stream<'_> {
                                 attempt.input_tokens = input_tokens;
                                 attempt.output_tokens = output_tokens;
                             }
-                            Some(Ok(ModelEvent::ReasoningSignature(_) | ModelEvent::ToolCall { .. })) => {}
+                            Some(Ok(ModelEvent::ReasoningSignature(signature))) => {
+                                attempt.signature = Some(signature);
+                            }
+                            Some(Ok(ModelEvent::ToolCall { id, name, input })) => {
+                                attempt.calls.push(AskedCall { id, name, input });
+                            }
                             Some(Ok(ModelEvent::Finished { .. })) | None => {
                                 outcome = Some(Inference::Done);
                                 break;
@@ -512,11 +783,7 @@ impl Stream<'_> {
                 )
                 .await?;
                 attempt.cursor = cursor;
-                let streaming = Streaming {
-                    part: opened,
-                    text: String::new(),
-                    persisted: 0,
-                };
+                let streaming = Streaming::new(opened);
                 match (moved, text_part) {
                     (Some(moved), Some(i)) => {
                         attempt.parts[i].part = moved;
@@ -559,6 +826,7 @@ fn ended(cause: EndCause, usage: Usage, steps: i32) -> Ending {
     Ending {
         cause,
         error: None,
+        reason: None,
         usage,
         steps,
     }
@@ -567,9 +835,23 @@ fn ended(cause: EndCause, usage: Usage, steps: i32) -> Ending {
 fn failed(cause: EndCause, message: String, usage: Usage, steps: i32) -> Ending {
     Ending {
         cause,
-        error: Some(run_error(cause, message)),
+        error: Some(run_error(cause, message.clone())),
+        reason: Some(message),
         usage,
         steps,
+    }
+}
+
+/// The end a limit or a stop condition calls for: `STOPPED` completes the
+/// run with its reason, every other cause fails it.
+fn stopped_by(cause: EndCause, message: String, usage: Usage, steps: i32) -> Ending {
+    if cause == EndCause::Stopped {
+        Ending {
+            reason: Some(message),
+            ..ended(cause, usage, steps)
+        }
+    } else {
+        failed(cause, message, usage, steps)
     }
 }
 

@@ -1,29 +1,42 @@
 //! The history sent to the model, rebuilt from committed facts only.
 
+use std::collections::BTreeMap;
+
 use sea_orm::{ColumnTrait, EntityTrait, QueryFilter, QueryOrder};
 use uuid::Uuid;
 
+use crate::domain::tool_call::{ToolOutcome, result_text};
 use crate::domain::{MessageRole, PartKind};
-use crate::providers::Turn;
-use crate::store::entities::{run, summary};
+use crate::providers::{Content, Turn};
+use crate::store::entities::{part, run, summary, tool_call};
 use crate::store::{Result, Store, parse_stored, reads};
 
 /// The opening of the turn that stands in for compacted messages.
 pub const SUMMARY_HEADING: &str = "Summary of the earlier conversation:";
 
 /// The turns for a run's model request, with the message each came from
-/// (`None` for a summary standing in for older ones).
+/// (`None` for a summary standing in for older ones). One assistant message
+/// gives a turn per step, each step that asked for tools followed by a user
+/// turn with their results.
 #[derive(Debug, Clone, Default)]
 pub struct History {
     pub turns: Vec<Turn>,
     pub sources: Vec<Option<Uuid>>,
 }
 
-/// Every user message up to the run's own and every text reply so far;
-/// messages covered by the latest summary are replaced by it. (Runs of a
-/// conversation execute one at a time in order, so every reply there is
-/// belongs to this run or to one before it.) Abandoned attempts, reasoning,
-/// notices and errors are shown to people, never to the model.
+impl History {
+    fn push(&mut self, turn: Turn, source: Option<Uuid>) {
+        self.turns.push(turn);
+        self.sources.push(source);
+    }
+}
+
+/// Every user message up to the run's own and every reply so far, with
+/// their tool calls and results; messages covered by the latest summary are
+/// replaced by it. (Runs of a conversation execute one at a time in order,
+/// so every reply there is belongs to this run or to one before it.)
+/// Abandoned attempts, notices and errors are shown to people, never to
+/// the model; reasoning goes back only with its signature.
 pub async fn load(store: &Store, run: &run::Model) -> Result<History> {
     let db = store.db();
     let latest_summary = summary::Entity::find()
@@ -36,13 +49,11 @@ pub async fn load(store: &Store, run: &run::Model) -> Result<History> {
     let messages = reads::messages(db, &run.tenant, run.conversation_id, None, None).await?;
     let ids: Vec<Uuid> = messages.iter().map(|m| m.id).collect();
     let mut parts = reads::parts_of(db, &run.tenant, &ids).await?;
+    let mut calls = reads::tool_calls_by_part(db, &run.tenant, run.conversation_id).await?;
     let mut history = History::default();
     if let Some(summary) = &latest_summary {
-        history.turns.push(Turn::text(
-            MessageRole::User,
-            format!("{SUMMARY_HEADING}\n{}", summary.text),
-        ));
-        history.sources.push(None);
+        let text = format!("{SUMMARY_HEADING}\n{}", summary.text);
+        history.push(Turn::text(MessageRole::User, text), None);
     }
     for message in messages {
         if latest_summary
@@ -55,17 +66,88 @@ pub async fn load(store: &Store, run: &run::Model) -> Result<History> {
         if role == MessageRole::User && message.id > run.trigger_message_id {
             continue;
         }
-        let mut text = String::new();
-        for part in parts.remove(&message.id).unwrap_or_default() {
-            let kind: PartKind = parse_stored(&part.kind, "part kind")?;
-            if kind == PartKind::Text && !part.abandoned {
-                text.push_str(part.text.as_deref().unwrap_or_default());
+        let parts = parts.remove(&message.id).unwrap_or_default();
+        if role == MessageRole::User {
+            let text = texts(&parts)?;
+            if !text.is_empty() {
+                history.push(Turn::text(role, text), Some(message.id));
             }
+            continue;
         }
-        if !text.is_empty() {
-            history.turns.push(Turn::text(role, text));
-            history.sources.push(Some(message.id));
+        let mut steps: BTreeMap<i32, Vec<part::Model>> = BTreeMap::new();
+        for part in parts.into_iter().filter(|p| !p.abandoned) {
+            steps.entry(part.step).or_default().push(part);
+        }
+        for (_, parts) in steps {
+            let (said, results) = step_turns(parts, &mut calls)?;
+            if !said.content.is_empty() {
+                history.push(said, Some(message.id));
+            }
+            if !results.content.is_empty() {
+                history.push(results, Some(message.id));
+            }
         }
     }
     Ok(history)
+}
+
+fn texts(parts: &[part::Model]) -> Result<String> {
+    let mut text = String::new();
+    for part in parts {
+        let kind: PartKind = parse_stored(&part.kind, "part kind")?;
+        if kind == PartKind::Text && !part.abandoned {
+            text.push_str(part.text.as_deref().unwrap_or_default());
+        }
+    }
+    Ok(text)
+}
+
+/// One step of a reply: what the model said (signed reasoning, text, tool
+/// calls, in order) and the one result of each call.
+fn step_turns(
+    parts: Vec<part::Model>,
+    calls: &mut std::collections::HashMap<Uuid, tool_call::Model>,
+) -> Result<(Turn, Turn)> {
+    let mut said = Turn {
+        role: MessageRole::Assistant,
+        content: Vec::new(),
+    };
+    let mut results = Turn {
+        role: MessageRole::User,
+        content: Vec::new(),
+    };
+    for part in parts {
+        let kind: PartKind = parse_stored(&part.kind, "part kind")?;
+        let text = part.text.clone().unwrap_or_default();
+        match kind {
+            PartKind::Text if !text.is_empty() => said.content.push(Content::Text(text)),
+            PartKind::Reasoning if !text.is_empty() => {
+                let signature = part
+                    .data
+                    .as_ref()
+                    .and_then(|d| d.get("signature"))
+                    .and_then(|s| s.as_str())
+                    .map(str::to_owned);
+                said.content.push(Content::Reasoning { text, signature });
+            }
+            PartKind::ToolCall => {
+                let Some(call) = calls.remove(&part.id) else {
+                    continue;
+                };
+                let succeeded = call.outcome.as_deref() == Some(ToolOutcome::Succeeded.as_str());
+                said.content.push(Content::ToolUse {
+                    id: call.provider_call_id.clone(),
+                    name: call.name.clone(),
+                    input: call.model_input.clone(),
+                });
+                results.content.push(Content::ToolResult {
+                    tool_use_id: call.provider_call_id,
+                    output: result_text(call.output.as_ref()),
+                    is_error: !succeeded,
+                });
+            }
+            _ => {}
+        }
+    }
+    Ok((said, results))
 }

@@ -1,10 +1,12 @@
 //! Workers: claim queued runs, hold them under heartbeats, recover runs
 //! whose worker died, and stop cleanly on shutdown.
 
+mod batch;
 pub mod compaction;
 pub mod engine;
 pub mod failpoints;
 pub mod history;
+mod stop;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -20,6 +22,7 @@ use crate::store::Store;
 use crate::store::entities::run;
 use crate::store::queue::{self, Heartbeat, Reclaim};
 use crate::store::runs::Lease;
+use crate::tools::registry::Registry as ToolRegistry;
 use engine::{Control, Stop};
 
 pub struct RuntimeOptions {
@@ -37,12 +40,18 @@ pub struct Runtime {
     task: tokio::task::JoinHandle<()>,
 }
 
-type Registry = Arc<Mutex<HashMap<Uuid, Arc<Control>>>>;
+/// The controls of the runs this process executes, by run id.
+type Controls = Arc<Mutex<HashMap<Uuid, Arc<Control>>>>;
 
 impl Runtime {
-    pub fn start(store: Store, config: Arc<FileConfig>, options: RuntimeOptions) -> Runtime {
+    pub fn start(
+        store: Store,
+        config: Arc<FileConfig>,
+        tools: Arc<ToolRegistry>,
+        options: RuntimeOptions,
+    ) -> Runtime {
         let shutdown = CancellationToken::new();
-        let task = tokio::spawn(dispatch(store, config, options, shutdown.clone()));
+        let task = tokio::spawn(dispatch(store, config, tools, options, shutdown.clone()));
         Runtime { shutdown, task }
     }
 
@@ -57,6 +66,7 @@ impl Runtime {
 async fn dispatch(
     store: Store,
     config: Arc<FileConfig>,
+    tools: Arc<ToolRegistry>,
     options: RuntimeOptions,
     shutdown: CancellationToken,
 ) {
@@ -74,7 +84,7 @@ async fn dispatch(
         Err(err) => tracing::error!(error = %err, "start-up recovery failed"),
     }
 
-    let registry: Registry = Arc::default();
+    let controls: Controls = Arc::default();
     let slots = Arc::new(Semaphore::new(rt.concurrency));
     let freed = Arc::new(Notify::new());
     let mut tasks = JoinSet::new();
@@ -105,17 +115,18 @@ async fn dispatch(
                     break;
                 };
                 let control = Arc::new(Control::default());
-                lock(&registry).insert(claimed.id, control.clone());
-                let (store, config, registry, freed) = (
+                lock(&controls).insert(claimed.id, control.clone());
+                let (store, config, tools, controls, freed) = (
                     store.clone(),
                     config.clone(),
-                    registry.clone(),
+                    tools.clone(),
+                    controls.clone(),
                     freed.clone(),
                 );
                 tasks.spawn(async move {
                     let run_id = claimed.id;
-                    hold(store, config, claimed, control).await;
-                    lock(&registry).remove(&run_id);
+                    hold(store, config, tools, claimed, control).await;
+                    lock(&controls).remove(&run_id);
                     drop(permit);
                     freed.notify_one();
                 });
@@ -136,7 +147,7 @@ async fn dispatch(
             }
             request = cancels.recv() => {
                 if let Ok(run_id) = request
-                    && let Some(control) = lock(&registry).get(&run_id)
+                    && let Some(control) = lock(&controls).get(&run_id)
                 {
                     control.stop(Stop::Cancelled);
                 }
@@ -145,7 +156,7 @@ async fn dispatch(
         }
     }
 
-    for control in lock(&registry).values() {
+    for control in lock(&controls).values() {
         control.stop(Stop::Shutdown);
     }
     let grace = Duration::from_secs_f64(rt.shutdown_grace_secs);
@@ -157,12 +168,18 @@ async fn dispatch(
     }
 }
 
-fn lock(registry: &Registry) -> std::sync::MutexGuard<'_, HashMap<Uuid, Arc<Control>>> {
-    registry.lock().unwrap_or_else(PoisonError::into_inner)
+fn lock(controls: &Controls) -> std::sync::MutexGuard<'_, HashMap<Uuid, Arc<Control>>> {
+    controls.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// Executes a claimed run while a heartbeat renews its lease.
-async fn hold(store: Store, config: Arc<FileConfig>, claimed: run::Model, control: Arc<Control>) {
+async fn hold(
+    store: Store,
+    config: Arc<FileConfig>,
+    tools: Arc<ToolRegistry>,
+    claimed: run::Model,
+    control: Arc<Control>,
+) {
     let lease = Lease::of(&claimed);
     let rt = &config.runtime;
     let lease_ms = (rt.lease_secs * 1000.0) as i64;
@@ -188,6 +205,6 @@ async fn hold(store: Store, config: Arc<FileConfig>, claimed: run::Model, contro
             }
         })
     };
-    engine::execute(store, config, claimed, control).await;
+    engine::execute(store, config, tools, claimed, control).await;
     heartbeat.abort();
 }

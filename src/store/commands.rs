@@ -144,6 +144,7 @@ pub async fn send_message(
         updated_at: Set(now),
         run_id: Set(None),
         abandoned: Set(false),
+        step: Set(0),
     }
     .insert(&*tx)
     .await?;
@@ -173,6 +174,7 @@ pub async fn send_message(
         lease_expires_at: Set(None),
         recoveries: Set(0),
         active_ms: Set(0),
+        end_reason: Set(None),
         claimed_at: Set(None),
     }
     .insert(&*tx)

@@ -68,6 +68,8 @@ pub mod part {
         /// Text of an attempt that was cut off: shown, never sent to the
         /// model again.
         pub abandoned: bool,
+        /// Which step of its run wrote the part.
+        pub step: i32,
     }
 
     #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]
@@ -112,6 +114,8 @@ pub mod run {
         pub active_ms: i64,
         /// When the current claim began.
         pub claimed_at: Option<i64>,
+        /// Which limit or stop condition ended the run, in words.
+        pub end_reason: Option<String>,
     }
 
     #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]
@@ -191,6 +195,45 @@ pub mod summary {
         pub input_tokens: i64,
         pub output_tokens: i64,
         pub created_at: i64,
+    }
+
+    #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]
+    pub enum Relation {}
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
+pub mod tool_call {
+    use sea_orm::entity::prelude::*;
+
+    /// A tool call the model made, and the idempotency record of its effect.
+    #[derive(Clone, Debug, PartialEq, DeriveEntityModel)]
+    #[sea_orm(table_name = "tool_calls")]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub id: Uuid,
+        pub tenant: String,
+        pub conversation_id: Uuid,
+        pub run_id: Uuid,
+        pub part_id: Uuid,
+        /// The run's step that asked for it (0-based).
+        pub step: i32,
+        /// Its place in the step's batch.
+        pub idx: i32,
+        pub provider_call_id: String,
+        pub name: String,
+        pub model_input: Json,
+        pub input: Option<Json>,
+        pub status: String,
+        pub outcome: Option<String>,
+        pub attempt: i32,
+        pub output: Option<Json>,
+        pub full_output: Option<String>,
+        pub output_truncated: bool,
+        pub idempotency_key: String,
+        pub created_at: i64,
+        pub started_at: Option<i64>,
+        pub ended_at: Option<i64>,
     }
 
     #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]

@@ -6,6 +6,7 @@ pub mod entities;
 pub mod queue;
 pub mod reads;
 pub mod runs;
+pub mod tool_calls;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -9,7 +9,7 @@ use sea_orm::{
 };
 use uuid::Uuid;
 
-use super::entities::{conversation, event, message, part, run};
+use super::entities::{conversation, event, message, part, run, tool_call};
 use super::{Error, Result, parse_stored};
 use crate::domain::cursor::Cursor;
 use crate::domain::event::{Event, EventKind};
@@ -194,4 +194,46 @@ fn event_from_row(row: event::Model) -> Result<Event> {
 /// A run's status, read back with the fail-closed parser.
 pub fn run_status(row: &run::Model) -> Result<RunStatus> {
     parse_stored(&row.status, "run status")
+}
+
+/// A conversation's tool calls, by the part that shows each.
+pub async fn tool_calls_by_part<C: ConnectionTrait>(
+    db: &C,
+    tenant: &str,
+    conversation_id: Uuid,
+) -> Result<HashMap<Uuid, tool_call::Model>> {
+    let rows = tool_call::Entity::find()
+        .filter(tool_call::Column::Tenant.eq(tenant))
+        .filter(tool_call::Column::ConversationId.eq(conversation_id))
+        .all(db)
+        .await?;
+    Ok(rows.into_iter().map(|row| (row.part_id, row)).collect())
+}
+
+/// A run's tool calls, in the order the model asked for them.
+pub async fn tool_calls_of_run<C: ConnectionTrait>(
+    db: &C,
+    tenant: &str,
+    run_id: Uuid,
+) -> Result<Vec<tool_call::Model>> {
+    Ok(tool_call::Entity::find()
+        .filter(tool_call::Column::Tenant.eq(tenant))
+        .filter(tool_call::Column::RunId.eq(run_id))
+        .order_by(tool_call::Column::Step, Order::Asc)
+        .order_by(tool_call::Column::Idx, Order::Asc)
+        .all(db)
+        .await?)
+}
+
+/// The tool call a `TOOL_CALL` part shows.
+pub async fn tool_call_of_part<C: ConnectionTrait>(
+    db: &C,
+    tenant: &str,
+    part_id: Uuid,
+) -> Result<Option<tool_call::Model>> {
+    Ok(tool_call::Entity::find()
+        .filter(tool_call::Column::Tenant.eq(tenant))
+        .filter(tool_call::Column::PartId.eq(part_id))
+        .one(db)
+        .await?)
 }

@@ -8,7 +8,7 @@ use sea_orm::sea_query::Expr;
 use sea_orm::{ActiveModelTrait, ColumnTrait, EntityTrait, QueryFilter, QueryOrder, QuerySelect};
 use uuid::Uuid;
 
-use super::entities::{message, part, run, run_audit, summary};
+use super::entities::{message, part, run, run_audit, summary, tool_call};
 use super::{Error, Result, Store, WriteTx, parse_stored};
 use crate::domain::cursor::Cursor;
 use crate::domain::event::{EventBody, EventKind, NewEvent};
@@ -45,18 +45,24 @@ pub struct OpenPart {
     pub kind: PartKind,
 }
 
-/// A streamed part with its text so far.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// A streamed part with its text so far, and data to keep with it (a
+/// reasoning block's signature).
+#[derive(Debug, Clone, PartialEq)]
 pub struct PartText {
     pub part: OpenPart,
     pub text: String,
+    pub data: Option<serde_json::Value>,
 }
 
 /// What the worker knows after its first commit of a claim.
 #[derive(Debug, Clone)]
 pub struct Begun {
     pub run: run::Model,
-    pub part: OpenPart,
+    /// The run's assistant message, which all its steps write into.
+    pub message_id: Uuid,
+    /// The text part the next inference streams into; none while a batch of
+    /// tool calls from an earlier claim is still to be finished.
+    pub part: Option<OpenPart>,
     /// The newest persisted cursor, for live deltas that follow it.
     pub cursor: Cursor,
 }
@@ -66,8 +72,18 @@ pub struct Begun {
 pub struct Ending {
     pub cause: EndCause,
     pub error: Option<RunError>,
+    /// Which limit or stop condition ended the run, in words.
+    pub reason: Option<String>,
     pub usage: Usage,
     pub steps: i32,
+}
+
+/// Writes the usage and steps an ending reports onto the run's row.
+pub(super) fn apply_usage(row: &mut run::Model, ending: &Ending) {
+    row.steps = ending.steps;
+    row.input_tokens = ending.usage.input_tokens;
+    row.output_tokens = ending.usage.output_tokens;
+    row.cost_usd = ending.usage.cost_usd;
 }
 
 /// Text length as clients count it: UTF-16 code units.
@@ -75,7 +91,7 @@ pub fn utf16_len(text: &str) -> i64 {
     text.encode_utf16().count() as i64
 }
 
-async fn open(
+pub(super) async fn open(
     store: &Store,
     lease: &Lease,
 ) -> Result<(WriteTx, super::entities::conversation::Model, run::Model)> {
@@ -116,6 +132,15 @@ pub async fn begin(store: &Store, lease: &Lease) -> Result<Begun> {
             .one(&*tx)
             .await?
     };
+    // A batch of tool calls in the current step: the step is finished
+    // before the model is asked anything, so no text part yet.
+    let batch_pending = !first_claim
+        && tool_call::Entity::find()
+            .filter(tool_call::Column::RunId.eq(row.id))
+            .filter(tool_call::Column::Step.eq(row.steps))
+            .one(&*tx)
+            .await?
+            .is_some();
     let (message_id, index) = match existing {
         Some(existing) => (existing.id, next_index(&tx, existing.id).await?),
         None => {
@@ -139,6 +164,67 @@ pub async fn begin(store: &Store, lease: &Lease) -> Result<Begun> {
             (id, 0)
         }
     };
+    let part = if batch_pending {
+        None
+    } else {
+        let part = insert_part(
+            &tx,
+            &row,
+            message_id,
+            index,
+            PartKind::Text,
+            PartState::Streaming,
+            "",
+        )
+        .await?;
+        events.push(part_event(EventKind::PartAdded, &row, &part, Some(0))?);
+        Some(OpenPart {
+            id: part.id,
+            message_id,
+            index: part.idx,
+            kind: PartKind::Text,
+        })
+    };
+    events.extend(NewEvent::run_status(row.id, RunStatus::Running));
+    tx.append(&conversation, events).await?;
+    let committed = store.commit(tx).await?;
+    let cursor = committed.last().map_or(Cursor::START, |e| e.cursor);
+    Ok(Begun {
+        run: row,
+        message_id,
+        part,
+        cursor,
+    })
+}
+
+/// The step's end when it asked for tools and every call has its result:
+/// the step is counted, usage recorded, `run.checkpointed` said, the next
+/// model request starts at attempt 1, and the next step's text part opens.
+pub async fn end_step(store: &Store, lease: &Lease, usage: Usage) -> Result<(OpenPart, Cursor)> {
+    let (mut tx, conversation, row) = open(store, lease).await?;
+    let message_id = assistant_message(&tx, &row).await?;
+    let mut events = vec![NewEvent {
+        kind: EventKind::RunCheckpointed,
+        run_id: Some(row.id),
+        body: EventBody::Run {
+            status: RunStatus::Running,
+        },
+    }];
+    if usage.input_tokens != row.input_tokens || usage.output_tokens != row.output_tokens {
+        events.push(NewEvent {
+            kind: EventKind::UsageUpdated,
+            run_id: Some(row.id),
+            body: EventBody::Usage { usage },
+        });
+    }
+    let mut active: run::ActiveModel = row.clone().into();
+    active.steps = Set(row.steps + 1);
+    active.attempt = Set(1);
+    active.input_tokens = Set(usage.input_tokens);
+    active.output_tokens = Set(usage.output_tokens);
+    active.cost_usd = Set(usage.cost_usd);
+    let row = active.update(&*tx).await?;
+    let index = next_index(&tx, message_id).await?;
     let part = insert_part(
         &tx,
         &row,
@@ -150,20 +236,26 @@ pub async fn begin(store: &Store, lease: &Lease) -> Result<Begun> {
     )
     .await?;
     events.push(part_event(EventKind::PartAdded, &row, &part, Some(0))?);
-    events.extend(NewEvent::run_status(row.id, RunStatus::Running));
     tx.append(&conversation, events).await?;
     let committed = store.commit(tx).await?;
-    let cursor = committed.last().map_or(Cursor::START, |e| e.cursor);
-    Ok(Begun {
-        run: row,
-        part: OpenPart {
-            id: part.id,
-            message_id,
-            index: part.idx,
-            kind: PartKind::Text,
-        },
-        cursor,
-    })
+    let opened = OpenPart {
+        id: part.id,
+        message_id,
+        index,
+        kind: PartKind::Text,
+    };
+    Ok((opened, committed.last().map_or(Cursor::START, |e| e.cursor)))
+}
+
+/// The run's assistant message (made by its first `begin`).
+pub(super) async fn assistant_message(tx: &WriteTx, row: &run::Model) -> Result<Uuid> {
+    message::Entity::find()
+        .filter(message::Column::RunId.eq(row.id))
+        .filter(message::Column::Role.eq(MessageRole::Assistant.as_str()))
+        .one(&**tx)
+        .await?
+        .map(|m| m.id)
+        .ok_or(Error::NotFound)
 }
 
 /// Persists the streamed text of these parts so far, each with
@@ -177,7 +269,7 @@ pub async fn checkpoint(store: &Store, lease: &Lease, parts: &[PartText]) -> Res
 }
 
 /// Writes the parts' texts in `state`, returning their `part.updated`.
-async fn save_parts(
+pub(super) async fn save_parts(
     tx: &WriteTx,
     row: &run::Model,
     parts: &[PartText],
@@ -185,7 +277,7 @@ async fn save_parts(
 ) -> Result<Vec<NewEvent>> {
     let mut events = Vec::with_capacity(parts.len());
     for streamed in parts {
-        let saved = update_part(tx, streamed.part.id, &streamed.text, state).await?;
+        let saved = update_part(tx, streamed, state).await?;
         events.push(part_event(
             EventKind::PartUpdated,
             row,
@@ -261,10 +353,7 @@ pub async fn finish(
     });
     let usage_changed = ending.usage.input_tokens != row.input_tokens
         || ending.usage.output_tokens != row.output_tokens;
-    row.steps = ending.steps;
-    row.input_tokens = ending.usage.input_tokens;
-    row.output_tokens = ending.usage.output_tokens;
-    row.cost_usd = ending.usage.cost_usd;
+    apply_usage(&mut row, &ending);
     if usage_changed {
         events.push(NewEvent {
             kind: EventKind::UsageUpdated,
@@ -275,7 +364,7 @@ pub async fn finish(
         });
     }
     // The worker's open parts are all closed just above.
-    let events = end_closed(&tx, row, ending.cause, ending.error, events).await?;
+    let events = end_closed(&tx, row, ending.cause, ending.error, ending.reason, events).await?;
     tx.append(&conversation, events).await?;
     store.commit(tx).await?;
     Ok(())
@@ -439,17 +528,20 @@ pub async fn end(
     error: Option<RunError>,
 ) -> Result<Vec<NewEvent>> {
     let (events, _) = close_streaming_parts(tx, row.id, false).await?;
-    end_closed(tx, row, cause, error, events).await
+    end_closed(tx, row, cause, error, None, events).await
 }
 
-/// `end` for a caller that has closed the run's parts itself.
-async fn end_closed(
+/// `end` for a caller that has closed the run's parts itself. Every tool
+/// call still without a result gets one here.
+pub(super) async fn end_closed(
     tx: &WriteTx,
     row: run::Model,
     cause: EndCause,
     error: Option<RunError>,
+    reason: Option<String>,
     mut events: Vec<NewEvent>,
 ) -> Result<Vec<NewEvent>> {
+    events.extend(super::tool_calls::close_unfinished(tx, &row).await?);
     let from: RunStatus = parse_stored(&row.status, "run status")?;
     let to = transition(from, RunInput::End(cause)).map_err(|e| Error::Conflict(e.to_string()))?;
     let now = now_millis();
@@ -489,6 +581,7 @@ async fn end_closed(
     active.cost_usd = Set(row.cost_usd);
     active.status = Set(to.as_str().to_owned());
     active.end_cause = Set(Some(cause.as_str().to_owned()));
+    active.end_reason = Set(reason);
     active.error = Set(error);
     active.ended_at = Set(Some(now));
     active.next_attempt_at = Set(None);
@@ -591,6 +684,52 @@ async fn streaming_parts(tx: &WriteTx, run_id: Uuid) -> Result<Vec<part::Model>>
         .await?)
 }
 
+/// Adds a finished, textless part (a tool call's) with its data.
+pub(super) async fn add_part_with(
+    tx: &WriteTx,
+    run: &run::Model,
+    message_id: Uuid,
+    kind: PartKind,
+    data: Option<serde_json::Value>,
+) -> Result<part::Model> {
+    let index = next_index(tx, message_id).await?;
+    let now = now_millis();
+    Ok(part::ActiveModel {
+        id: Set(Uuid::now_v7()),
+        message_id: Set(message_id),
+        conversation_id: Set(run.conversation_id),
+        tenant: Set(run.tenant.clone()),
+        idx: Set(index),
+        kind: Set(kind.as_str().to_owned()),
+        state: Set(PartState::Done.as_str().to_owned()),
+        text: Set(None),
+        data: Set(data),
+        created_at: Set(now),
+        updated_at: Set(now),
+        run_id: Set(Some(run.id)),
+        abandoned: Set(false),
+        step: Set(run.steps),
+    }
+    .insert(&**tx)
+    .await?)
+}
+
+/// Marks a part changed (its tool call moved on) and says `part.updated`.
+pub(super) async fn part_touched(
+    tx: &WriteTx,
+    run: &run::Model,
+    part_id: Uuid,
+) -> Result<NewEvent> {
+    let touched = part::Entity::update_many()
+        .col_expr(part::Column::UpdatedAt, Expr::value(now_millis()))
+        .filter(part::Column::Id.eq(part_id))
+        .exec_with_returning(&**tx)
+        .await?
+        .pop()
+        .ok_or(Error::NotFound)?;
+    part_event(EventKind::PartUpdated, run, &touched, None)
+}
+
 async fn add_part(
     tx: &WriteTx,
     run: &run::Model,
@@ -636,29 +775,29 @@ async fn insert_part(
         updated_at: Set(now),
         run_id: Set(Some(run.id)),
         abandoned: Set(false),
+        step: Set(run.steps),
     }
     .insert(&**tx)
     .await?)
 }
 
-async fn update_part(
-    tx: &WriteTx,
-    part_id: Uuid,
-    text: &str,
-    state: PartState,
-) -> Result<part::Model> {
-    part::Entity::update_many()
-        .col_expr(part::Column::Text, Expr::value(text))
+async fn update_part(tx: &WriteTx, streamed: &PartText, state: PartState) -> Result<part::Model> {
+    let mut update = part::Entity::update_many()
+        .col_expr(part::Column::Text, Expr::value(streamed.text.as_str()))
         .col_expr(part::Column::State, Expr::value(state.as_str()))
-        .col_expr(part::Column::UpdatedAt, Expr::value(now_millis()))
-        .filter(part::Column::Id.eq(part_id))
+        .col_expr(part::Column::UpdatedAt, Expr::value(now_millis()));
+    if let Some(data) = &streamed.data {
+        update = update.col_expr(part::Column::Data, Expr::value(data.clone()));
+    }
+    update
+        .filter(part::Column::Id.eq(streamed.part.id))
         .exec_with_returning(&**tx)
         .await?
         .pop()
         .ok_or(Error::NotFound)
 }
 
-fn part_event(
+pub(super) fn part_event(
     kind: EventKind,
     run: &run::Model,
     part: &part::Model,

@@ -1,3 +1,5 @@
-//! Tools: the registry built from configuration and the built-in tools.
+//! Tools: the registry built from configuration, and running a call's
+//! effect.
 
+pub mod invoke;
 pub mod registry;

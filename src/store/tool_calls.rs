@@ -1,0 +1,340 @@
+//! A worker's commits for the tool calls of the run it holds, each fenced
+//! like every other run commit (`runs::open`). Commit before effect: a batch
+//! is committed `REQUESTED` whole before any call runs, and each call
+//! `EXECUTING` before its effect starts. The rows are also the idempotency
+//! record: one unique key per call, and the recorded result of a call that
+//! has one is never asked for again.
+
+use sea_orm::ActiveValue::Set;
+use sea_orm::{ActiveModelTrait, ColumnTrait, EntityTrait, QueryFilter, QueryOrder, QuerySelect};
+use serde_json::{Value, json};
+use uuid::Uuid;
+
+use super::entities::{run, tool_call};
+use super::runs::{self, Ending, Lease, PartText, end_closed, open};
+use super::{Error, Result, Store, WriteTx, parse_stored};
+use crate::domain::cursor::Cursor;
+use crate::domain::event::{EventBody, EventKind, NewEvent};
+use crate::domain::time::now_millis;
+use crate::domain::tool_call::{
+    ToolCallState, ToolCallStatus, ToolInput, ToolOutcome, closing_output, inline_output,
+};
+use crate::domain::{PartKind, PartState};
+
+/// Keys derive from tenant, run and call identity under this namespace, so
+/// they are stable across retries, recoveries and resumptions.
+const KEY_NAMESPACE: Uuid = Uuid::from_u128(0x6a1c_54f0_9d3e_4b7a_8e21_7c3f_0b9d_d2e5);
+
+pub fn idempotency_key(tenant: &str, run_id: Uuid, tool_call_id: Uuid) -> String {
+    Uuid::new_v5(
+        &KEY_NAMESPACE,
+        format!("{tenant}/{run_id}/{tool_call_id}").as_bytes(),
+    )
+    .to_string()
+}
+
+/// What becomes of a call the model asked for, decided before anything runs.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Verdict {
+    /// It may run with this validated, normalized input.
+    Run(Value),
+    /// It never runs: it is committed `COMPLETED` with this outcome and
+    /// output (input the schema refuses, an unknown tool, a limit).
+    Refuse(ToolOutcome, Value),
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub struct NewToolCall {
+    pub provider_call_id: String,
+    pub name: String,
+    pub model_input: Value,
+    pub verdict: Verdict,
+}
+
+/// Commits the step's model output that asked for tools, in one
+/// transaction: its streamed parts closed with their final text, one
+/// `TOOL_CALL` part and one call per request (`REQUESTED`, or `COMPLETED`
+/// when refused up front). With `ending`, the run ends in the same
+/// transaction (a limit reached by this very batch).
+pub async fn request(
+    store: &Store,
+    lease: &Lease,
+    parts: &[PartText],
+    calls: Vec<NewToolCall>,
+    max_inline_bytes: usize,
+    ending: Option<Ending>,
+) -> Result<(Vec<tool_call::Model>, Cursor)> {
+    let (mut tx, conversation, row) = open(store, lease).await?;
+    let mut events = runs::save_parts(&tx, &row, parts, PartState::Done).await?;
+    let message_id = match parts.first() {
+        Some(first) => first.part.message_id,
+        None => runs::assistant_message(&tx, &row).await?,
+    };
+    let now = now_millis();
+    let mut stored = Vec::with_capacity(calls.len());
+    for (idx, call) in calls.into_iter().enumerate() {
+        let id = Uuid::now_v7();
+        let part = runs::add_part_with(
+            &tx,
+            &row,
+            message_id,
+            PartKind::ToolCall,
+            Some(json!({ "toolCallId": id })),
+        )
+        .await?;
+        events.push(runs::part_event(EventKind::PartAdded, &row, &part, None)?);
+        let (state, input, output) = match call.verdict {
+            Verdict::Run(input) => (ToolCallState::REQUESTED, Some(input), None),
+            Verdict::Refuse(outcome, output) => {
+                events.push(tool_event(EventKind::ToolFailed, row.id, id, &call.name));
+                let state = ToolCallState {
+                    status: ToolCallStatus::Completed,
+                    attempt: 0,
+                    outcome: Some(outcome),
+                };
+                (state, None, Some(output))
+            }
+        };
+        let inline = output.as_ref().map(|o| inline_output(o, max_inline_bytes));
+        let model = tool_call::ActiveModel {
+            id: Set(id),
+            tenant: Set(row.tenant.clone()),
+            conversation_id: Set(row.conversation_id),
+            run_id: Set(row.id),
+            part_id: Set(part.id),
+            step: Set(row.steps),
+            idx: Set(idx as i32),
+            provider_call_id: Set(call.provider_call_id),
+            name: Set(call.name),
+            model_input: Set(call.model_input),
+            input: Set(input),
+            status: Set(state.status.as_str().to_owned()),
+            outcome: Set(state.outcome.map(|o| o.as_str().to_owned())),
+            attempt: Set(0),
+            output: Set(inline.as_ref().map(|i| i.inline.clone())),
+            full_output: Set(inline.as_ref().and_then(|i| i.full.clone())),
+            output_truncated: Set(inline.as_ref().is_some_and(|i| i.truncated)),
+            idempotency_key: Set(idempotency_key(&row.tenant, row.id, id)),
+            created_at: Set(now),
+            started_at: Set(None),
+            ended_at: Set(state.is_terminal().then_some(now)),
+        }
+        .insert(&*tx)
+        .await?;
+        stored.push(model);
+    }
+    if let Some(ending) = ending {
+        let mut row = row;
+        runs::apply_usage(&mut row, &ending);
+        events = end_closed(&tx, row, ending.cause, ending.error, ending.reason, events).await?;
+        stored = of_step_in(&tx, lease.run_id, stored.first().map_or(0, |c| c.step)).await?;
+    }
+    tx.append(&conversation, events).await?;
+    let committed = store.commit(tx).await?;
+    Ok((stored, committed.last().map_or(Cursor::START, |e| e.cursor)))
+}
+
+/// The calls of a run's step, in batch order.
+pub async fn of_step(store: &Store, run_id: Uuid, step: i32) -> Result<Vec<tool_call::Model>> {
+    Ok(tool_call::Entity::find()
+        .filter(tool_call::Column::RunId.eq(run_id))
+        .filter(tool_call::Column::Step.eq(step))
+        .order_by_asc(tool_call::Column::Idx)
+        .all(store.db())
+        .await?)
+}
+
+async fn of_step_in(tx: &WriteTx, run_id: Uuid, step: i32) -> Result<Vec<tool_call::Model>> {
+    Ok(tool_call::Entity::find()
+        .filter(tool_call::Column::RunId.eq(run_id))
+        .filter(tool_call::Column::Step.eq(step))
+        .order_by_asc(tool_call::Column::Idx)
+        .all(&**tx)
+        .await?)
+}
+
+pub fn state_of(call: &tool_call::Model) -> Result<ToolCallState> {
+    Ok(ToolCallState {
+        status: parse_stored(&call.status, "tool call status")?,
+        attempt: call.attempt.max(0) as u32,
+        outcome: call
+            .outcome
+            .as_deref()
+            .map(|o| parse_stored(o, "tool call outcome"))
+            .transpose()?,
+    })
+}
+
+/// Applies `input` to one call of the held run inside the fenced
+/// transaction, writes what the caller adds, and announces it.
+async fn change(
+    store: &Store,
+    lease: &Lease,
+    call_id: Uuid,
+    input: ToolInput,
+    fill: impl FnOnce(&mut tool_call::ActiveModel, ToolCallState),
+) -> Result<tool_call::Model> {
+    let (mut tx, conversation, row) = open(store, lease).await?;
+    let call = tool_call::Entity::find_by_id(call_id)
+        .filter(tool_call::Column::RunId.eq(row.id))
+        .lock_exclusive()
+        .one(&*tx)
+        .await?
+        .ok_or(Error::NotFound)?;
+    let before = state_of(&call)?;
+    let after = before
+        .apply(input)
+        .map_err(|e| Error::Conflict(e.to_string()))?;
+    let mut events = vec![tool_event(
+        event_for(after),
+        row.id,
+        call.id,
+        &call.name,
+    )];
+    let part_id = call.part_id;
+    let mut active: tool_call::ActiveModel = call.into();
+    set_state(&mut active, after);
+    fill(&mut active, after);
+    let saved = active.update(&*tx).await?;
+    events.push(runs::part_touched(&tx, &row, part_id).await?);
+    tx.append(&conversation, events).await?;
+    store.commit(tx).await?;
+    Ok(saved)
+}
+
+fn set_state(active: &mut tool_call::ActiveModel, state: ToolCallState) {
+    active.status = Set(state.status.as_str().to_owned());
+    active.attempt = Set(state.attempt as i32);
+    active.outcome = Set(state.outcome.map(|o| o.as_str().to_owned()));
+    if state.is_terminal() {
+        active.ended_at = Set(Some(now_millis()));
+    }
+}
+
+fn event_for(state: ToolCallState) -> EventKind {
+    match (state.status, state.outcome) {
+        (ToolCallStatus::Executing, _) => EventKind::ToolStarted,
+        (_, Some(ToolOutcome::Succeeded)) => EventKind::ToolCompleted,
+        _ => EventKind::ToolFailed,
+    }
+}
+
+/// Commits the call `EXECUTING` before its effect starts: its first start,
+/// or the replay of an idempotent call cut off by a crash (same key).
+pub async fn start(
+    store: &Store,
+    lease: &Lease,
+    call_id: Uuid,
+    replay: bool,
+) -> Result<tool_call::Model> {
+    let input = if replay {
+        ToolInput::Recover { replayable: true }
+    } else {
+        ToolInput::Start
+    };
+    change(store, lease, call_id, input, |active, _| {
+        if let sea_orm::ActiveValue::Unchanged(None) = active.started_at {
+            active.started_at = Set(Some(now_millis()));
+        }
+    })
+    .await
+}
+
+/// Records what the tool answered.
+pub async fn complete(
+    store: &Store,
+    lease: &Lease,
+    call_id: Uuid,
+    succeeded: bool,
+    output: &Value,
+    max_inline_bytes: usize,
+) -> Result<tool_call::Model> {
+    let inline = inline_output(output, max_inline_bytes);
+    change(
+        store,
+        lease,
+        call_id,
+        ToolInput::Finish { succeeded },
+        |active, _| {
+            active.output = Set(Some(inline.inline));
+            active.full_output = Set(inline.full);
+            active.output_truncated = Set(inline.truncated);
+        },
+    )
+    .await
+}
+
+/// A call of a tool that must not be replayed may or may not have taken
+/// effect (cut off by a crash, or failed after its request went out): it
+/// ends `UNKNOWN`, once, and the model is told to check. `output` says
+/// what is known, if anything.
+pub async fn indeterminate(
+    store: &Store,
+    lease: &Lease,
+    call_id: Uuid,
+    output: Option<Value>,
+) -> Result<tool_call::Model> {
+    change(
+        store,
+        lease,
+        call_id,
+        ToolInput::Recover { replayable: false },
+        |active, state| {
+            let output = output.or_else(|| state.outcome.map(closing_output));
+            active.output = Set(output);
+        },
+    )
+    .await
+}
+
+/// Every call of the run, in the order the model asked for them.
+pub async fn of_run(store: &Store, run_id: Uuid) -> Result<Vec<tool_call::Model>> {
+    Ok(tool_call::Entity::find()
+        .filter(tool_call::Column::RunId.eq(run_id))
+        .order_by_asc(tool_call::Column::Step)
+        .order_by_asc(tool_call::Column::Idx)
+        .all(store.db())
+        .await?)
+}
+
+/// Gives every unfinished call of an ending run its one result: a started
+/// call `INTERRUPTED`, an unstarted one `NOT_STARTED`.
+pub(crate) async fn close_unfinished(tx: &WriteTx, row: &run::Model) -> Result<Vec<NewEvent>> {
+    let open_calls = tool_call::Entity::find()
+        .filter(tool_call::Column::RunId.eq(row.id))
+        .filter(tool_call::Column::Status.is_not_in([
+            ToolCallStatus::Completed.as_str(),
+            ToolCallStatus::Indeterminate.as_str(),
+        ]))
+        .order_by_asc(tool_call::Column::Step)
+        .order_by_asc(tool_call::Column::Idx)
+        .all(&**tx)
+        .await?;
+    let mut events = Vec::new();
+    for call in open_calls {
+        let state = state_of(&call)?
+            .apply(ToolInput::Cancel)
+            .map_err(|e| Error::Conflict(e.to_string()))?;
+        events.push(tool_event(EventKind::ToolFailed, row.id, call.id, &call.name));
+        let part_id = call.part_id;
+        let mut active: tool_call::ActiveModel = call.into();
+        set_state(&mut active, state);
+        if let Some(outcome) = state.outcome {
+            active.output = Set(Some(closing_output(outcome)));
+        }
+        active.update(&**tx).await?;
+        events.push(runs::part_touched(tx, row, part_id).await?);
+    }
+    Ok(events)
+}
+
+fn tool_event(kind: EventKind, run_id: Uuid, tool_call_id: Uuid, name: &str) -> NewEvent {
+    NewEvent {
+        kind,
+        run_id: Some(run_id),
+        body: EventBody::Tool {
+            tool_call_id,
+            tool_name: name.to_owned(),
+        },
+    }
+}

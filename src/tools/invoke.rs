@@ -1,0 +1,152 @@
+//! Running one tool call's effect: in-process tools, and HTTP tools with
+//! their idempotency key, timeout and retry policy. No database here: the
+//! engine commits before and after.
+
+use std::time::Duration;
+
+use reqwest::Method;
+use serde_json::{Value, json};
+use uuid::Uuid;
+
+use super::registry::{Runner, Tool};
+use crate::config::{HttpTarget, Recovery};
+use crate::domain::retry::RetryPolicy;
+use crate::providers::http;
+
+/// One call to make.
+pub struct Invocation<'a> {
+    pub tool: &'a Tool,
+    /// The validated, normalized input.
+    pub input: &'a Value,
+    pub run_id: Uuid,
+    pub tool_call_id: Uuid,
+    pub idempotency_key: &'a str,
+    /// For transient failures of idempotent tools.
+    pub retry: &'a RetryPolicy,
+}
+
+/// How the effect came out.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Effect {
+    Succeeded(Value),
+    /// The tool refused or failed; the model reads why.
+    Failed(Value),
+    /// It may or may not have happened, and the tool must not be called
+    /// again (`never_replay`).
+    Unknown(Value),
+}
+
+pub async fn invoke(call: Invocation<'_>) -> Effect {
+    let tool = call.tool;
+    // Approvals arrive with a later version; until then a gated tool never
+    // runs (fail closed).
+    if let Some(risk) = &tool.risk {
+        return Effect::Failed(json!({
+            "error": format!(
+                "{} needs a person's approval (risk category {risk:?}), which this server cannot \
+                 ask for yet; it did not run",
+                tool.name
+            )
+        }));
+    }
+    match &tool.runner {
+        Runner::AskQuestions => Effect::Failed(json!({
+            "error": "asking questions is not available on this server yet; it did not run"
+        })),
+        Runner::DemoPublish => Effect::Succeeded(json!({ "published": call.input })),
+        Runner::Http(target) => http_call(target, &call).await,
+    }
+}
+
+/// A transient failure: worth another try when the tool allows replays.
+struct Transient {
+    error: Value,
+    retry_after: Option<Duration>,
+    /// Whether the request may have reached the tool.
+    sent: bool,
+}
+
+async fn http_call(target: &HttpTarget, call: &Invocation<'_>) -> Effect {
+    let client = match http::client() {
+        Ok(client) => client,
+        Err(err) => return Effect::Failed(json!({ "error": err.to_string() })),
+    };
+    let method = Method::from_bytes(target.method.to_ascii_uppercase().as_bytes())
+        .unwrap_or(Method::POST);
+    let mut failed_attempts = 0u32;
+    loop {
+        let request = client
+            .request(method.clone(), &target.url)
+            .timeout(Duration::from_secs(target.timeout_secs))
+            .header("Idempotency-Key", call.idempotency_key)
+            .header("X-Tether-Run-Id", call.run_id.to_string())
+            .header("X-Tether-Tool-Call-Id", call.tool_call_id.to_string())
+            .json(call.input);
+        let transient = match attempt(request).await {
+            Ok(effect) => return effect,
+            Err(transient) => transient,
+        };
+        failed_attempts += 1;
+        match call.tool.recovery {
+            Recovery::NeverReplay if transient.sent => {
+                return Effect::Unknown(json!({
+                    "error": transient.error,
+                    "outcome": "UNKNOWN",
+                    "note": "the request may have reached the tool, which must not be called \
+                             twice: it may or may not have taken effect; check before repeating it",
+                }));
+            }
+            Recovery::NeverReplay => return Effect::Failed(json!({ "error": transient.error })),
+            Recovery::Idempotent if !call.retry.allows_another(failed_attempts) => {
+                return Effect::Failed(json!({
+                    "error": transient.error,
+                    "attempts": failed_attempts,
+                }));
+            }
+            Recovery::Idempotent => {
+                let delay =
+                    call.retry
+                        .delay(failed_attempts, transient.retry_after, fastrand::f64());
+                tracing::info!(
+                    tool = %call.tool.name,
+                    attempt = failed_attempts,
+                    delay_ms = delay.as_millis() as u64,
+                    "tool call failed transiently; retrying with the same key"
+                );
+                tokio::time::sleep(delay).await;
+            }
+        }
+    }
+}
+
+/// One request: a 2xx JSON body is the output (any other body is kept as
+/// text), 4xx a failed call, 5xx/408/429 and network trouble transient
+/// (409 is a tool's answer, unlike a model provider's).
+async fn attempt(request: reqwest::RequestBuilder) -> Result<Effect, Transient> {
+    let response = request.send().await.map_err(|e| Transient {
+        error: json!(format!("network error: {e}")),
+        retry_after: None,
+        sent: !e.is_connect(),
+    })?;
+    let status = response.status();
+    let retry_after = http::retry_after(response.headers());
+    let body = response.bytes().await.map_err(|e| Transient {
+        error: json!(format!("network error while reading the answer: {e}")),
+        retry_after: None,
+        sent: true,
+    })?;
+    let body: Value = serde_json::from_slice(&body)
+        .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&body).into_owned()));
+    if status.is_success() {
+        return Ok(Effect::Succeeded(body));
+    }
+    let error = json!({ "status": status.as_u16(), "body": body });
+    if matches!(status.as_u16(), 408 | 429) || status.is_server_error() {
+        return Err(Transient {
+            error,
+            retry_after,
+            sent: true,
+        });
+    }
+    Ok(Effect::Failed(error))
+}
