@@ -8,8 +8,9 @@ use super::error::{ApiError, ApiResult};
 use crate::domain::cursor::Cursor;
 use crate::domain::run::{EndCause, RunError, RunStatus, Usage};
 use crate::domain::time::{Millis, from_rfc3339, to_rfc3339};
+use crate::domain::tool_call::{ToolCallStatus, ToolOutcome};
 use crate::domain::{MessageRole, PartKind, PartState};
-use crate::store::entities::{conversation, message, part, run};
+use crate::store::entities::{conversation, message, part, run, tool_call};
 use crate::store::{parse_stored, reads};
 
 /// RFC 3339 in UTC with `Z` and exactly milliseconds.
@@ -213,6 +214,94 @@ impl Part {
     async fn data(&self) -> Option<Json<serde_json::Value>> {
         self.0.data.clone().map(Json)
     }
+
+    /// The call a TOOL_CALL part shows.
+    async fn tool_call(&self, ctx: &Context<'_>) -> ApiResult<Option<ToolCall>> {
+        if self.0.kind != PartKind::ToolCall.as_str() {
+            return Ok(None);
+        }
+        let tenant = &viewer(ctx)?.tenant;
+        let db = snapshot(ctx).await?;
+        let row = reads::tool_call_of_part(&*db, tenant, self.0.id).await?;
+        Ok(row.map(ToolCall))
+    }
+}
+
+pub struct ToolCall(pub tool_call::Model);
+
+#[Object]
+impl ToolCall {
+    async fn id(&self) -> ID {
+        to_id(self.0.id)
+    }
+
+    async fn run_id(&self) -> ID {
+        to_id(self.0.run_id)
+    }
+
+    /// The run's step that asked for it, from 0.
+    async fn step(&self) -> i32 {
+        self.0.step
+    }
+
+    async fn name(&self) -> &str {
+        &self.0.name
+    }
+
+    /// The validated, normalized input that runs; the model's own input
+    /// when the schema refused it.
+    async fn input(&self) -> Json<serde_json::Value> {
+        Json(
+            self.0
+                .input
+                .clone()
+                .unwrap_or_else(|| self.0.model_input.clone()),
+        )
+    }
+
+    async fn status(&self) -> ApiResult<ToolCallStatus> {
+        stored(&self.0.status, "tool call status")
+    }
+
+    async fn outcome(&self) -> ApiResult<Option<ToolOutcome>> {
+        self.0
+            .outcome
+            .as_deref()
+            .map(|text| stored(text, "tool outcome"))
+            .transpose()
+    }
+
+    /// The output as the model reads it: cut, with a note, when larger than
+    /// the agent's `max_inline_tool_output_bytes`.
+    async fn output(&self) -> Option<Json<serde_json::Value>> {
+        self.0.output.clone().map(Json)
+    }
+
+    async fn output_truncated(&self) -> bool {
+        self.0.output_truncated
+    }
+
+    /// The whole output when `output` was truncated (its JSON text).
+    async fn full_output(&self) -> Option<&str> {
+        self.0.full_output.as_deref()
+    }
+
+    /// EXECUTING commits so far; 0 = never started.
+    async fn attempt(&self) -> i32 {
+        self.0.attempt
+    }
+
+    async fn idempotency_key(&self) -> Option<&str> {
+        Some(&self.0.idempotency_key)
+    }
+
+    async fn started_at(&self) -> Option<DateTime> {
+        self.0.started_at.map(DateTime)
+    }
+
+    async fn ended_at(&self) -> Option<DateTime> {
+        self.0.ended_at.map(DateTime)
+    }
 }
 
 pub struct Run(pub run::Model);
@@ -271,6 +360,19 @@ impl Run {
 
     async fn steps(&self) -> i32 {
         self.0.steps
+    }
+
+    /// The run's tool calls, in the order the model asked for them.
+    async fn tool_calls(&self, ctx: &Context<'_>) -> ApiResult<Vec<ToolCall>> {
+        let tenant = &viewer(ctx)?.tenant;
+        let db = snapshot(ctx).await?;
+        let rows = reads::tool_calls_of_run(&*db, tenant, self.0.id).await?;
+        Ok(rows.into_iter().map(ToolCall).collect())
+    }
+
+    /// Which limit or stop condition ended the run, in words.
+    async fn end_reason(&self) -> Option<&str> {
+        self.0.end_reason.as_deref()
     }
 
     async fn usage(&self) -> Usage {

@@ -270,7 +270,11 @@ mod tests {
         assert!(inline.starts_with("{\"text\":\"é"), "{inline}");
         // 20 bytes fall inside an "é": the cut moves back to 19.
         assert!(
-            inline.ends_with(&format!("[output truncated: {} of {} bytes cut]", text.len() - 19, text.len())),
+            inline.ends_with(&format!(
+                "[output truncated: {} of {} bytes cut]",
+                text.len() - 19,
+                text.len()
+            )),
             "{inline}"
         );
     }

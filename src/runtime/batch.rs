@@ -78,8 +78,8 @@ impl Runner<'_> {
             .collect();
         futures_util::stream::iter(calls)
             .buffer_unordered(self.concurrency)
-        .try_collect::<()>()
-        .await
+            .try_collect::<()>()
+            .await
     }
 
     async fn call(&self, call: &tool_call::Model) -> store::Result<()> {
@@ -89,7 +89,8 @@ impl Runner<'_> {
         let input = call.input.as_ref();
         let (Some(tool), Some(input)) = (tool, input) else {
             // The configuration lost the tool since the call was asked for.
-            let output = json!({ "error": format!("the tool {:?} is not configured any more", call.name) });
+            let output =
+                json!({ "error": format!("the tool {:?} is not configured any more", call.name) });
             if replay {
                 tool_calls::indeterminate(store, lease, call.id, Some(output)).await?;
             } else {

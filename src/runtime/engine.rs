@@ -17,21 +17,21 @@ use serde_json::json;
 use super::history::History;
 use super::{batch, compaction, failpoints, history, stop};
 use crate::config::{AgentConfig, FileConfig, Limits};
-use crate::domain::tool_call::ToolOutcome;
 use crate::domain::PartKind;
 use crate::domain::cursor::Cursor;
 use crate::domain::event::{Event, EventBody, EventKind};
 use crate::domain::retry::RetryPolicy;
 use crate::domain::run::{EndCause, RunError, Usage};
 use crate::domain::time::now_millis;
+use crate::domain::tool_call::ToolOutcome;
 use crate::providers::{self, ModelEvent, ModelRequest, Provider, ProviderError, ToolSpec};
 use crate::store::entities::{run, tool_call};
-use crate::store::tool_calls::{self, NewToolCall, Verdict};
-use crate::tools::registry::{Registry, Tool};
 use crate::store::runs::{
     self, Begun, Compaction, Ending, Lease, OpenPart, PartText, RetryAfterFailure, utf16_len,
 };
+use crate::store::tool_calls::{self, NewToolCall, Verdict};
 use crate::store::{self, Store};
+use crate::tools::registry::{Registry, Tool};
 
 /// The most model events merged into one delta.
 const MAX_COALESCED: usize = 256;
@@ -298,12 +298,15 @@ impl Steps<'_> {
             .into_iter()
             .map(|call| {
                 let verdict = if over_limit {
-                    Verdict::Refuse(ToolOutcome::NotStarted, json!({
-                        "error": format!(
-                            "not started: the run reached its limit of {} tool calls",
-                            limits.max_tool_calls
-                        )
-                    }))
+                    Verdict::Refuse(
+                        ToolOutcome::NotStarted,
+                        json!({
+                            "error": format!(
+                                "not started: the run reached its limit of {} tool calls",
+                                limits.max_tool_calls
+                            )
+                        }),
+                    )
                 } else {
                     batch::verdict(&self.offered, &call.name, &call.input)
                 };
@@ -320,7 +323,12 @@ impl Steps<'_> {
                 "the model asked for more than the run's limit of {} tool calls",
                 limits.max_tool_calls
             );
-            failed(EndCause::ToolCallLimit, message, attempt.usage(self.agent), step + 1)
+            failed(
+                EndCause::ToolCallLimit,
+                message,
+                attempt.usage(self.agent),
+                step + 1,
+            )
         });
         let ended = ending.is_some();
         let (calls, cursor) = tool_calls::request(
@@ -366,8 +374,13 @@ impl Steps<'_> {
                     break;
                 }
                 () = self.control.token.cancelled(), if self.control.reason() != Some(Stop::Shutdown) => {
+                    let stop = self.control.reason().unwrap_or(Stop::Cancelled);
+                    if stop == Stop::Shutdown {
+                        // The calls finish first (see below).
+                        continue;
+                    }
                     // Dropping the work aborts the running requests.
-                    return self.stop(self.control.reason().unwrap_or(Stop::Cancelled), &attempt, step).await;
+                    return self.stop(stop, &attempt, step).await;
                 }
                 () = sleep_until(self.deadline) => return self.timed_out(&attempt, step).await,
             }

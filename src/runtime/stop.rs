@@ -65,7 +65,9 @@ pub fn after_tools(
         if failing as u32 >= limit {
             return Some((
                 EndCause::TooManyErrors,
-                format!("stop condition consecutive_tool_errors: the last {failing} tool calls failed"),
+                format!(
+                    "stop condition consecutive_tool_errors: the last {failing} tool calls failed"
+                ),
             ));
         }
     }

@@ -185,12 +185,7 @@ async fn change(
     let after = before
         .apply(input)
         .map_err(|e| Error::Conflict(e.to_string()))?;
-    let mut events = vec![tool_event(
-        event_for(after),
-        row.id,
-        call.id,
-        &call.name,
-    )];
+    let mut events = vec![tool_event(event_for(after), row.id, call.id, &call.name)];
     let part_id = call.part_id;
     let mut active: tool_call::ActiveModel = call.into();
     set_state(&mut active, after);
@@ -315,7 +310,12 @@ pub(crate) async fn close_unfinished(tx: &WriteTx, row: &run::Model) -> Result<V
         let state = state_of(&call)?
             .apply(ToolInput::Cancel)
             .map_err(|e| Error::Conflict(e.to_string()))?;
-        events.push(tool_event(EventKind::ToolFailed, row.id, call.id, &call.name));
+        events.push(tool_event(
+            EventKind::ToolFailed,
+            row.id,
+            call.id,
+            &call.name,
+        ));
         let part_id = call.part_id;
         let mut active: tool_call::ActiveModel = call.into();
         set_state(&mut active, state);

@@ -71,8 +71,8 @@ async fn http_call(target: &HttpTarget, call: &Invocation<'_>) -> Effect {
         Ok(client) => client,
         Err(err) => return Effect::Failed(json!({ "error": err.to_string() })),
     };
-    let method = Method::from_bytes(target.method.to_ascii_uppercase().as_bytes())
-        .unwrap_or(Method::POST);
+    let method =
+        Method::from_bytes(target.method.to_ascii_uppercase().as_bytes()).unwrap_or(Method::POST);
     let mut failed_attempts = 0u32;
     loop {
         let request = client

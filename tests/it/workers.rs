@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
+use tether::tools::registry::Registry;
 
 use sea_orm::{ActiveModelTrait, ActiveValue::Set, EntityTrait};
 use tether::bus::Bus;
@@ -36,8 +37,9 @@ stream_delay_ms = 0
 /// The begun text part with `text` in it.
 fn texts(begun: &runs::Begun, text: &str) -> Vec<runs::PartText> {
     vec![runs::PartText {
-        part: begun.part,
+        part: begun.part.expect("a first claim opens a text part"),
         text: text.to_owned(),
+        data: None,
     }]
 }
 
@@ -89,6 +91,7 @@ async fn send(store: &Store, conversation_id: Uuid, text: &str) -> run::Model {
 async fn two_engines_complete_200_runs_each_exactly_once_in_conversation_order() {
     let db = TestDb::new().await;
     let config = Arc::new(FileConfig::from_toml(FAST).unwrap());
+    let tools = Arc::new(Registry::from_config(&config).unwrap());
     // Two instances: separate connections and separate buses, one database.
     let (a, b) = (store(&db).await, store(&db).await);
     let mut conversations = Vec::new();
@@ -108,6 +111,7 @@ async fn two_engines_complete_200_runs_each_exactly_once_in_conversation_order()
             Runtime::start(
                 store.clone(),
                 config.clone(),
+                tools.clone(),
                 RuntimeOptions {
                     instance_id: id.into(),
                     sole_owner: false,
@@ -231,7 +235,7 @@ async fn a_worker_whose_lease_was_taken_over_commits_nothing() {
     .await
     .unwrap();
     assert_eq!(events_before, events_after);
-    let part_a = reads::part(store.db(), "acme", begun_a.part.id)
+    let part_a = reads::part(store.db(), "acme", begun_a.part.unwrap().id)
         .await
         .unwrap()
         .unwrap();
