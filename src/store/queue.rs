@@ -3,8 +3,8 @@
 //! fenced by the epoch the claim gave it (see `store::runs`).
 
 use sea_orm::{
-    ColumnTrait, DatabaseBackend, EntityTrait, QueryFilter, QueryOrder, QuerySelect, Statement,
-    Value,
+    ColumnTrait, DatabaseBackend, EntityTrait, IdenStatic, Iterable, QueryFilter, QueryOrder,
+    QuerySelect, Statement, Value,
 };
 
 use super::entities::run;
@@ -43,6 +43,13 @@ pub async fn claim(
         DatabaseBackend::Postgres => " FOR UPDATE SKIP LOCKED",
         _ => "",
     };
+    // Named columns, not `*`: sqlx's SQLite driver keeps the column list it
+    // saw when it first prepared a statement, and a `*` that grew under it
+    // (a migration on another connection) reads past that list.
+    let columns = run::Column::iter()
+        .map(|c| format!("\"{}\"", c.as_str()))
+        .collect::<Vec<_>>()
+        .join(", ");
     let (p_owner, p_expires, p_claimed, p_started, p_due) =
         (param(), param(), param(), param(), param());
     let sql = format!(
@@ -56,7 +63,7 @@ pub async fn claim(
            AND NOT EXISTS (SELECT 1 FROM runs o WHERE o.conversation_id = r.conversation_id \
                            AND o.id < r.id AND o.status IN ({unended})) \
            ORDER BY r.id LIMIT {limit}{skip_locked}) \
-         RETURNING *"
+         RETURNING {columns}"
     );
     let values: Vec<Value> = vec![
         owner.into(),

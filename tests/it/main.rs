@@ -16,5 +16,6 @@ mod runs;
 mod schema_drift;
 mod startup;
 mod subscriptions;
+mod tool_crash;
 mod tools;
 mod workers;
