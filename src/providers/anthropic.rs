@@ -1,9 +1,11 @@
 //! Anthropic's Messages API, streaming.
 
+use std::collections::HashMap;
+
 use futures_util::StreamExt;
 use serde_json::{Value, json};
 
-use super::{ModelEvent, ModelRequest, ModelStream, Provider, ProviderError, Turn, http};
+use super::{Content, ModelEvent, ModelRequest, ModelStream, Provider, ProviderError, Turn, http};
 use crate::domain::MessageRole;
 
 pub const DEFAULT_BASE_URL: &str = "https://api.anthropic.com";
@@ -20,41 +22,307 @@ fn describe(body: &Value) -> Option<(String, String)> {
     ))
 }
 
-/// Turns as Messages API messages: consecutive turns of one role merged.
-fn messages(turns: &[Turn]) -> Vec<Value> {
-    let mut merged: Vec<(MessageRole, String)> = Vec::new();
-    for turn in turns {
+fn role_name(role: MessageRole) -> &'static str {
+    match role {
+        MessageRole::User => "user",
+        MessageRole::Assistant => "assistant",
+    }
+}
+
+/// One content block as the Messages API takes it; `None` for what is never
+/// sent.
+fn block(content: &Content) -> Option<Value> {
+    match content {
+        // The API refuses empty and whitespace-only text blocks.
+        Content::Text(text) if text.trim().is_empty() => None,
+        Content::Text(text) => Some(json!({ "type": "text", "text": text })),
+        // Signed thinking goes back unchanged (the API checks the signature);
+        // reasoning without one (another provider's, or a thinking block cut
+        // short) cannot be verified, so it is for people only.
+        Content::Reasoning {
+            text,
+            signature: Some(signature),
+        } => Some(json!({ "type": "thinking", "thinking": text, "signature": signature })),
+        Content::Reasoning {
+            signature: None, ..
+        } => None,
+        Content::ToolUse { id, name, input } => {
+            Some(json!({ "type": "tool_use", "id": id, "name": name, "input": input }))
+        }
+        Content::ToolResult {
+            tool_use_id,
+            output,
+            is_error,
+        } => Some(json!({
+            "type": "tool_result",
+            "tool_use_id": tool_use_id,
+            "content": output,
+            "is_error": is_error,
+        })),
+    }
+}
+
+/// Appends messages, merging consecutive ones of one role (the API wants
+/// roles to alternate) and dropping empty ones (the API refuses them).
+fn merge(
+    messages: impl IntoIterator<Item = (MessageRole, Vec<Value>)>,
+) -> Vec<(MessageRole, Vec<Value>)> {
+    let mut merged: Vec<(MessageRole, Vec<Value>)> = Vec::new();
+    for (role, blocks) in messages {
+        if blocks.is_empty() {
+            continue;
+        }
         match merged.last_mut() {
-            Some((role, text)) if *role == turn.role => {
-                text.push_str("\n\n");
-                text.push_str(&turn.plain_text());
-            }
-            _ => merged.push((turn.role, turn.plain_text())),
+            Some((last, content)) if *last == role => content.extend(blocks),
+            _ => merged.push((role, blocks)),
         }
     }
     merged
+}
+
+fn is_thinking(block: &Value) -> bool {
+    block["type"] == "thinking"
+}
+
+/// Turns as Messages API messages. Consecutive turns of one role are merged
+/// by joining their content blocks in order: the engine puts a step's tool
+/// results before any text of that turn, which is where the API wants
+/// `tool_result` blocks (first in the user message after the `tool_use`).
+fn messages(turns: &[Turn]) -> Vec<Value> {
+    let blocks = turns
+        .iter()
+        .map(|turn| (turn.role, turn.content.iter().filter_map(block).collect()));
+    let mut merged = merge(blocks);
+    // The API refuses an assistant message whose last block is thinking;
+    // such thinking led to nothing that was kept, so it is left out.
+    for (role, content) in &mut merged {
+        if *role == MessageRole::Assistant {
+            while content.last().is_some_and(is_thinking) {
+                content.pop();
+            }
+        }
+    }
+    merge(merged)
         .into_iter()
-        .map(|(role, text)| {
-            let role = match role {
-                MessageRole::User => "user",
-                MessageRole::Assistant => "assistant",
-            };
-            json!({ "role": role, "content": [{ "type": "text", "text": text }] })
-        })
+        .map(|(role, content)| json!({ "role": role_name(role), "content": content }))
         .collect()
+}
+
+/// The `max_tokens` sent. With extended thinking the API counts the thinking
+/// inside `max_tokens` and refuses a `max_tokens` not above the budget; an
+/// agent's `max_tokens` at or below its budget is then taken as the room for
+/// the answer after the thinking, and the budget is added to it.
+pub fn max_tokens(request: &ModelRequest) -> u32 {
+    match request.thinking_budget {
+        Some(budget) if request.max_tokens <= budget => budget.saturating_add(request.max_tokens),
+        _ => request.max_tokens,
+    }
 }
 
 pub fn body(request: &ModelRequest) -> Value {
     let mut body = json!({
         "model": request.model,
-        "max_tokens": request.max_tokens,
+        "max_tokens": max_tokens(request),
         "stream": true,
         "messages": messages(&request.turns),
     });
     if let Some(system) = &request.system {
         body["system"] = json!(system);
     }
+    if !request.tools.is_empty() {
+        let tools: Vec<Value> = request
+            .tools
+            .iter()
+            .map(|tool| {
+                json!({
+                    "name": tool.name,
+                    "description": tool.description,
+                    "input_schema": tool.input_schema,
+                })
+            })
+            .collect();
+        body["tools"] = json!(tools);
+    }
+    if let Some(budget) = request.thinking_budget {
+        body["thinking"] = json!({ "type": "enabled", "budget_tokens": budget });
+    }
     body
+}
+
+/// A content block being streamed, by its index.
+enum Open {
+    /// A tool call: its input arrives as JSON text in fragments.
+    ToolUse {
+        id: String,
+        name: String,
+        json: String,
+        /// The input given at the block's start; the real API gives `{}`
+        /// there and the whole input in fragments, but a proxy that does not
+        /// stream may give it whole.
+        initial: Value,
+    },
+    /// Thinking: its signature arrives at the end, maybe in pieces.
+    Thinking { signature: String },
+}
+
+type Item = Result<ModelEvent, ProviderError>;
+
+/// The Messages API's event sequence as model events.
+#[derive(Default)]
+struct Parser {
+    input_tokens: i64,
+    output_tokens: i64,
+    stop_reason: String,
+    open: HashMap<u64, Open>,
+}
+
+/// A tool call's input from its streamed JSON text.
+fn tool_input(id: &str, name: &str, json: &str, initial: Value) -> Result<Value, ProviderError> {
+    if json.trim().is_empty() {
+        return Ok(if initial.is_object() {
+            initial
+        } else {
+            json!({})
+        });
+    }
+    let invalid = |why: String| ProviderError::Stream {
+        code: "invalid_tool_input".into(),
+        message: format!("the model's input for tool `{name}` ({id}) is not a JSON object: {why}"),
+    };
+    match serde_json::from_str::<Value>(json) {
+        Ok(input) if input.is_object() => Ok(input),
+        Ok(other) => Err(invalid(format!("got {other}"))),
+        Err(err) => Err(invalid(err.to_string())),
+    }
+}
+
+impl Parser {
+    /// The model events of one server-sent event (`name` is its `event:`
+    /// field, `raw` its data).
+    fn feed(&mut self, name: &str, raw: &str) -> Vec<Item> {
+        let Ok(data) = serde_json::from_str::<Value>(raw) else {
+            return Vec::new();
+        };
+        let kind = data["type"].as_str().unwrap_or(name);
+        let index = data["index"].as_u64().unwrap_or(0);
+        let mut out = Vec::new();
+        match kind {
+            "message_start" => {
+                let usage = &data["message"]["usage"];
+                self.input_tokens = [
+                    "input_tokens",
+                    "cache_creation_input_tokens",
+                    "cache_read_input_tokens",
+                ]
+                .iter()
+                .filter_map(|k| usage[k].as_i64())
+                .sum();
+                self.output_tokens = usage["output_tokens"].as_i64().unwrap_or(0);
+                out.push(Ok(self.usage()));
+            }
+            "content_block_start" => {
+                let block = &data["content_block"];
+                match block["type"].as_str() {
+                    Some("tool_use") => {
+                        self.open.insert(
+                            index,
+                            Open::ToolUse {
+                                id: block["id"].as_str().unwrap_or_default().to_owned(),
+                                name: block["name"].as_str().unwrap_or_default().to_owned(),
+                                json: String::new(),
+                                initial: block["input"].clone(),
+                            },
+                        );
+                    }
+                    Some("thinking") => {
+                        if let Some(text) = block["thinking"].as_str().filter(|t| !t.is_empty()) {
+                            out.push(Ok(ModelEvent::Reasoning(text.to_owned())));
+                        }
+                        let signature = block["signature"].as_str().unwrap_or_default();
+                        self.open.insert(
+                            index,
+                            Open::Thinking {
+                                signature: signature.to_owned(),
+                            },
+                        );
+                    }
+                    Some("text") => {
+                        if let Some(text) = block["text"].as_str().filter(|t| !t.is_empty()) {
+                            out.push(Ok(ModelEvent::Text(text.to_owned())));
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            "content_block_delta" => {
+                let delta = &data["delta"];
+                match (delta["type"].as_str(), self.open.get_mut(&index)) {
+                    (Some("text_delta"), _) => {
+                        if let Some(text) = delta["text"].as_str() {
+                            out.push(Ok(ModelEvent::Text(text.to_owned())));
+                        }
+                    }
+                    (Some("thinking_delta"), _) => {
+                        if let Some(text) = delta["thinking"].as_str() {
+                            out.push(Ok(ModelEvent::Reasoning(text.to_owned())));
+                        }
+                    }
+                    (Some("signature_delta"), Some(Open::Thinking { signature })) => {
+                        signature.push_str(delta["signature"].as_str().unwrap_or_default());
+                    }
+                    (Some("input_json_delta"), Some(Open::ToolUse { json, .. })) => {
+                        json.push_str(delta["partial_json"].as_str().unwrap_or_default());
+                    }
+                    _ => {}
+                }
+            }
+            "content_block_stop" => match self.open.remove(&index) {
+                Some(Open::ToolUse {
+                    id,
+                    name,
+                    json,
+                    initial,
+                }) => out.push(
+                    tool_input(&id, &name, &json, initial).map(|input| ModelEvent::ToolCall {
+                        id,
+                        name,
+                        input,
+                    }),
+                ),
+                // The signature closes its block: emitted once, whole.
+                Some(Open::Thinking { signature }) if !signature.is_empty() => {
+                    out.push(Ok(ModelEvent::ReasoningSignature(signature)));
+                }
+                _ => {}
+            },
+            "message_delta" => {
+                if let Some(reason) = data["delta"]["stop_reason"].as_str() {
+                    self.stop_reason = reason.to_owned();
+                }
+                if let Some(tokens) = data["usage"]["output_tokens"].as_i64() {
+                    self.output_tokens = tokens;
+                    out.push(Ok(self.usage()));
+                }
+            }
+            "message_stop" => out.push(Ok(ModelEvent::Finished {
+                stop_reason: std::mem::take(&mut self.stop_reason),
+            })),
+            "error" => {
+                let (code, message) =
+                    describe(&data).unwrap_or_else(|| ("api_error".into(), raw.to_owned()));
+                out.push(Err(ProviderError::Stream { code, message }));
+            }
+            _ => {}
+        }
+        out
+    }
+
+    fn usage(&self) -> ModelEvent {
+        ModelEvent::Usage {
+            input_tokens: self.input_tokens,
+            output_tokens: self.output_tokens,
+        }
+    }
 }
 
 #[async_trait::async_trait]
@@ -74,9 +342,7 @@ impl Provider for Anthropic {
         let response = http::send(builder, describe).await?;
         let mut events = Box::pin(http::events(response, self.0.idle_timeout));
         let stream = async_stream::stream! {
-            let mut input_tokens = 0;
-            let mut output_tokens;
-            let mut stop_reason = String::new();
+            let mut parser = Parser::default();
             while let Some(event) = events.next().await {
                 let event = match event {
                     Ok(event) => event,
@@ -85,56 +351,12 @@ impl Provider for Anthropic {
                         return;
                     }
                 };
-                let Ok(data) = serde_json::from_str::<Value>(&event.data) else {
-                    continue;
-                };
-                let kind = data["type"].as_str().unwrap_or(event.event.as_str());
-                match kind {
-                    "message_start" => {
-                        let usage = &data["message"]["usage"];
-                        input_tokens = ["input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens"]
-                            .iter()
-                            .filter_map(|k| usage[k].as_i64())
-                            .sum();
-                        output_tokens = usage["output_tokens"].as_i64().unwrap_or(0);
-                        yield Ok(ModelEvent::Usage { input_tokens, output_tokens });
-                    }
-                    "content_block_delta" => {
-                        let delta = &data["delta"];
-                        match delta["type"].as_str() {
-                            Some("text_delta") => {
-                                if let Some(text) = delta["text"].as_str() {
-                                    yield Ok(ModelEvent::Text(text.to_owned()));
-                                }
-                            }
-                            Some("thinking_delta") => {
-                                if let Some(text) = delta["thinking"].as_str() {
-                                    yield Ok(ModelEvent::Reasoning(text.to_owned()));
-                                }
-                            }
-                            _ => {}
-                        }
-                    }
-                    "message_delta" => {
-                        if let Some(reason) = data["delta"]["stop_reason"].as_str() {
-                            stop_reason = reason.to_owned();
-                        }
-                        if let Some(tokens) = data["usage"]["output_tokens"].as_i64() {
-                            output_tokens = tokens;
-                            yield Ok(ModelEvent::Usage { input_tokens, output_tokens });
-                        }
-                    }
-                    "message_stop" => {
-                        yield Ok(ModelEvent::Finished { stop_reason });
+                for item in parser.feed(&event.event, &event.data) {
+                    let last = matches!(item, Err(_) | Ok(ModelEvent::Finished { .. }));
+                    yield item;
+                    if last {
                         return;
                     }
-                    "error" => {
-                        let (code, message) = describe(&data)
-                            .unwrap_or_else(|| ("api_error".into(), event.data.clone()));
-                        yield Err(ProviderError::Stream { code, message });
-                        return;
-                    }
-                    _ => {}
                 }
             }
             yield Err(ProviderError::Network("the stream ended before message_stop".into()));
@@ -146,27 +368,280 @@ impl Provider for Anthropic {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::providers::ToolSpec;
 
-    #[test]
-    fn turns_of_one_role_are_merged_and_the_system_prompt_is_separate() {
-        let request = ModelRequest {
+    fn request(turns: Vec<Turn>) -> ModelRequest {
+        ModelRequest {
             model: "claude-x".into(),
             system: Some("Be brief.".into()),
-            turns: vec![
-                Turn::text(MessageRole::User, "a"),
-                Turn::text(MessageRole::User, "b"),
-                Turn::text(MessageRole::Assistant, "c"),
-            ],
+            turns,
             tools: Vec::new(),
             max_tokens: 99,
             thinking_budget: None,
             attempt: 1,
-        };
-        let body = body(&request);
+        }
+    }
+
+    fn turn(role: MessageRole, content: Vec<Content>) -> Turn {
+        Turn { role, content }
+    }
+
+    fn tool_use(id: &str) -> Content {
+        Content::ToolUse {
+            id: id.into(),
+            name: "lookup".into(),
+            input: json!({ "q": id }),
+        }
+    }
+
+    fn tool_result(id: &str, is_error: bool) -> Content {
+        Content::ToolResult {
+            tool_use_id: id.into(),
+            output: format!("result of {id}"),
+            is_error,
+        }
+    }
+
+    fn signed(text: &str) -> Content {
+        Content::Reasoning {
+            text: text.into(),
+            signature: Some(format!("sig-{text}")),
+        }
+    }
+
+    fn unsigned(text: &str) -> Content {
+        Content::Reasoning {
+            text: text.into(),
+            signature: None,
+        }
+    }
+
+    #[test]
+    fn turns_of_one_role_merge_their_blocks_and_the_system_prompt_is_separate() {
+        let body = body(&request(vec![
+            Turn::text(MessageRole::User, "a"),
+            Turn::text(MessageRole::User, "b"),
+            Turn::text(MessageRole::Assistant, "c"),
+        ]));
         assert_eq!(body["system"], "Be brief.");
         assert_eq!(body["max_tokens"], 99);
         assert_eq!(body["stream"], true);
-        assert_eq!(body["messages"][0]["content"][0]["text"], "a\n\nb");
-        assert_eq!(body["messages"][1]["role"], "assistant");
+        assert!(body.get("tools").is_none());
+        assert!(body.get("thinking").is_none());
+        assert_eq!(
+            body["messages"],
+            json!([
+                { "role": "user", "content": [
+                    { "type": "text", "text": "a" },
+                    { "type": "text", "text": "b" },
+                ] },
+                { "role": "assistant", "content": [{ "type": "text", "text": "c" }] },
+            ])
+        );
+    }
+
+    #[test]
+    fn tool_calls_and_results_keep_their_order_with_results_first_in_the_user_message() {
+        let mut request = request(vec![
+            Turn::text(MessageRole::User, "look up two things"),
+            turn(
+                MessageRole::Assistant,
+                vec![
+                    Content::Text("Looking.".into()),
+                    tool_use("t1"),
+                    tool_use("t2"),
+                ],
+            ),
+            turn(
+                MessageRole::User,
+                vec![tool_result("t1", false), tool_result("t2", true)],
+            ),
+            Turn::text(MessageRole::User, "and hurry"),
+        ]);
+        request.tools = vec![ToolSpec {
+            name: "lookup".into(),
+            description: "Looks things up".into(),
+            input_schema: json!({ "type": "object" }),
+        }];
+        let body = body(&request);
+        assert_eq!(
+            body["tools"],
+            json!([{ "name": "lookup", "description": "Looks things up", "input_schema": { "type": "object" } }])
+        );
+        let messages = body["messages"].as_array().unwrap();
+        assert_eq!(messages.len(), 3);
+        assert_eq!(
+            messages[1]["content"],
+            json!([
+                { "type": "text", "text": "Looking." },
+                { "type": "tool_use", "id": "t1", "name": "lookup", "input": { "q": "t1" } },
+                { "type": "tool_use", "id": "t2", "name": "lookup", "input": { "q": "t2" } },
+            ])
+        );
+        assert_eq!(messages[2]["role"], "user");
+        assert_eq!(
+            messages[2]["content"],
+            json!([
+                { "type": "tool_result", "tool_use_id": "t1", "content": "result of t1", "is_error": false },
+                { "type": "tool_result", "tool_use_id": "t2", "content": "result of t2", "is_error": true },
+                { "type": "text", "text": "and hurry" },
+            ])
+        );
+    }
+
+    #[test]
+    fn signed_thinking_goes_back_first_and_unsigned_reasoning_never_does() {
+        let mut request = request(vec![
+            Turn::text(MessageRole::User, "q1"),
+            turn(
+                MessageRole::Assistant,
+                vec![unsigned("from another model"), Content::Text("a1".into())],
+            ),
+            Turn::text(MessageRole::User, "q2"),
+            turn(MessageRole::Assistant, vec![signed("plan"), tool_use("t1")]),
+            turn(MessageRole::User, vec![tool_result("t1", false)]),
+        ]);
+        request.thinking_budget = Some(2048);
+        let body = body(&request);
+        assert_eq!(
+            body["thinking"],
+            json!({ "type": "enabled", "budget_tokens": 2048 })
+        );
+        let messages = body["messages"].as_array().unwrap();
+        assert_eq!(
+            messages[1]["content"],
+            json!([{ "type": "text", "text": "a1" }])
+        );
+        assert_eq!(
+            messages[3]["content"][0],
+            json!({ "type": "thinking", "thinking": "plan", "signature": "sig-plan" })
+        );
+        assert_eq!(messages[3]["content"][1]["type"], "tool_use");
+    }
+
+    #[test]
+    fn turns_with_nothing_to_send_are_dropped_and_their_neighbours_merge() {
+        let body = body(&request(vec![
+            Turn::text(MessageRole::User, "a"),
+            // Only unsigned reasoning, or a blank text: nothing to send.
+            turn(MessageRole::Assistant, vec![unsigned("hmm")]),
+            turn(MessageRole::User, vec![Content::Text(" \n".into())]),
+            Turn::text(MessageRole::User, "b"),
+            // Signed thinking that led to nothing may not end a message.
+            turn(MessageRole::Assistant, vec![signed("idle")]),
+            Turn::text(MessageRole::User, "c"),
+            turn(
+                MessageRole::Assistant,
+                vec![signed("x"), Content::Text("d".into()), signed("y")],
+            ),
+        ]));
+        assert_eq!(
+            body["messages"],
+            json!([
+                { "role": "user", "content": [
+                    { "type": "text", "text": "a" },
+                    { "type": "text", "text": "b" },
+                    { "type": "text", "text": "c" },
+                ] },
+                { "role": "assistant", "content": [
+                    { "type": "thinking", "thinking": "x", "signature": "sig-x" },
+                    { "type": "text", "text": "d" },
+                ] },
+            ])
+        );
+    }
+
+    #[test]
+    fn max_tokens_stays_above_the_thinking_budget() {
+        let mut request = request(vec![Turn::text(MessageRole::User, "a")]);
+        request.max_tokens = 321;
+        assert_eq!(max_tokens(&request), 321);
+        request.thinking_budget = Some(1024);
+        assert_eq!(max_tokens(&request), 1345);
+        request.max_tokens = 1024;
+        assert_eq!(max_tokens(&request), 2048);
+        request.max_tokens = 4096;
+        assert_eq!(max_tokens(&request), 4096);
+        assert_eq!(body(&request)["max_tokens"], 4096);
+    }
+
+    fn feed(parser: &mut Parser, data: Value) -> Vec<Item> {
+        parser.feed("", &data.to_string())
+    }
+
+    #[test]
+    fn tool_input_fragments_are_assembled_per_block_and_emitted_at_its_stop() {
+        let mut parser = Parser::default();
+        let start = |index: u64, id: &str| {
+            json!({ "type": "content_block_start", "index": index,
+                    "content_block": { "type": "tool_use", "id": id, "name": "lookup", "input": {} } })
+        };
+        let part = |index: u64, json: &str| {
+            json!({ "type": "content_block_delta", "index": index,
+                    "delta": { "type": "input_json_delta", "partial_json": json } })
+        };
+        let stop = |index: u64| json!({ "type": "content_block_stop", "index": index });
+        assert!(feed(&mut parser, start(1, "t1")).is_empty());
+        assert!(feed(&mut parser, start(2, "t2")).is_empty());
+        for (index, piece) in [(1, "{\"q\": \"a\\"), (2, ""), (1, "\"b\"}"), (2, "  ")] {
+            assert!(feed(&mut parser, part(index, piece)).is_empty());
+        }
+        assert_eq!(
+            feed(&mut parser, stop(2)),
+            [Ok(ModelEvent::ToolCall {
+                id: "t2".into(),
+                name: "lookup".into(),
+                input: json!({})
+            })]
+        );
+        assert_eq!(
+            feed(&mut parser, stop(1)),
+            [Ok(ModelEvent::ToolCall {
+                id: "t1".into(),
+                name: "lookup".into(),
+                input: json!({ "q": "a\"b" })
+            })]
+        );
+        feed(&mut parser, start(3, "t3"));
+        feed(&mut parser, part(3, "{\"q\": "));
+        let bad = feed(&mut parser, stop(3));
+        assert!(
+            matches!(&bad[..], [Err(ProviderError::Stream { code, message })]
+                if code == "invalid_tool_input" && message.contains("t3")),
+            "{bad:?}"
+        );
+    }
+
+    #[test]
+    fn thinking_streams_as_reasoning_and_its_signature_closes_the_block() {
+        let mut parser = Parser::default();
+        feed(
+            &mut parser,
+            json!({ "type": "content_block_start", "index": 0,
+                    "content_block": { "type": "thinking", "thinking": "" } }),
+        );
+        let delta =
+            |delta: Value| json!({ "type": "content_block_delta", "index": 0, "delta": delta });
+        assert_eq!(
+            feed(
+                &mut parser,
+                delta(json!({ "type": "thinking_delta", "thinking": "Hmm." }))
+            ),
+            [Ok(ModelEvent::Reasoning("Hmm.".into()))]
+        );
+        for piece in ["EqQ", "Bsig"] {
+            let events = feed(
+                &mut parser,
+                delta(json!({ "type": "signature_delta", "signature": piece })),
+            );
+            assert!(events.is_empty());
+        }
+        assert_eq!(
+            feed(
+                &mut parser,
+                json!({ "type": "content_block_stop", "index": 0 })
+            ),
+            [Ok(ModelEvent::ReasoningSignature("EqQBsig".into()))]
+        );
     }
 }

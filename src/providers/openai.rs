@@ -1,10 +1,12 @@
 //! OpenAI-compatible chat completions, streaming (OpenAI, Ollama, vLLM,
 //! llama.cpp server, LiteLLM, OpenRouter, …).
 
+use std::collections::BTreeMap;
+
 use futures_util::StreamExt;
 use serde_json::{Value, json};
 
-use super::{ModelEvent, ModelRequest, ModelStream, Provider, ProviderError, http};
+use super::{Content, ModelEvent, ModelRequest, ModelStream, Provider, ProviderError, Turn, http};
 use crate::domain::MessageRole;
 
 pub const DEFAULT_BASE_URL: &str = "https://api.openai.com";
@@ -34,25 +36,254 @@ pub fn endpoint(base: &str) -> String {
     }
 }
 
+/// One turn as chat messages. An assistant turn is one message, its tool
+/// calls in `tool_calls` (arguments as JSON text, as the API wants). A user
+/// turn's tool results become `tool` messages first, in order, since they
+/// must directly follow the assistant message that called them; its text
+/// follows as a user message. Reasoning is never sent: chat completions have
+/// no field for it.
+fn turn_messages(turn: &Turn, messages: &mut Vec<Value>) {
+    let text = turn.plain_text();
+    match turn.role {
+        MessageRole::Assistant => {
+            let calls: Vec<Value> = turn
+                .content
+                .iter()
+                .filter_map(|content| match content {
+                    Content::ToolUse { id, name, input } => Some(json!({
+                        "id": id,
+                        "type": "function",
+                        "function": { "name": name, "arguments": input.to_string() },
+                    })),
+                    _ => None,
+                })
+                .collect();
+            if calls.is_empty() {
+                // A message with neither content nor tool calls is refused.
+                if !text.is_empty() {
+                    messages.push(json!({ "role": "assistant", "content": text }));
+                }
+                return;
+            }
+            let content = if text.is_empty() {
+                Value::Null
+            } else {
+                json!(text)
+            };
+            messages.push(json!({ "role": "assistant", "content": content, "tool_calls": calls }));
+        }
+        MessageRole::User => {
+            for content in &turn.content {
+                if let Content::ToolResult {
+                    tool_use_id,
+                    output,
+                    ..
+                } = content
+                {
+                    messages.push(json!({
+                        "role": "tool",
+                        "tool_call_id": tool_use_id,
+                        "content": output,
+                    }));
+                }
+            }
+            if !text.is_empty() || !turn.has_tool_results() {
+                messages.push(json!({ "role": "user", "content": text }));
+            }
+        }
+    }
+}
+
 pub fn body(request: &ModelRequest) -> Value {
     let mut messages = Vec::new();
     if let Some(system) = &request.system {
         messages.push(json!({ "role": "system", "content": system }));
     }
     for turn in &request.turns {
-        let role = match turn.role {
-            MessageRole::User => "user",
-            MessageRole::Assistant => "assistant",
-        };
-        messages.push(json!({ "role": role, "content": turn.plain_text() }));
+        turn_messages(turn, &mut messages);
     }
-    json!({
+    let mut body = json!({
         "model": request.model,
         "max_tokens": request.max_tokens,
         "stream": true,
         "stream_options": { "include_usage": true },
         "messages": messages,
-    })
+    });
+    if !request.tools.is_empty() {
+        let tools: Vec<Value> = request
+            .tools
+            .iter()
+            .map(|tool| {
+                json!({
+                    "type": "function",
+                    "function": {
+                        "name": tool.name,
+                        "description": tool.description,
+                        "parameters": tool.input_schema,
+                    },
+                })
+            })
+            .collect();
+        body["tools"] = json!(tools);
+    }
+    body
+}
+
+/// A tool call being streamed: its fragments share an `index`.
+#[derive(Default)]
+struct PartialCall {
+    id: String,
+    name: String,
+    arguments: String,
+}
+
+type Item = Result<ModelEvent, ProviderError>;
+
+/// Chat-completion chunks as model events.
+#[derive(Default)]
+struct Parser {
+    stop_reason: Option<String>,
+    calls: BTreeMap<u64, PartialCall>,
+}
+
+impl Parser {
+    /// Where a tool-call fragment belongs. The API numbers calls with
+    /// `index`; a server that leaves it out (some send each call whole) gets
+    /// a new call for every new id, else the fragment extends the last call.
+    fn slot(&self, fragment: &Value) -> u64 {
+        if let Some(index) = fragment["index"].as_u64() {
+            return index;
+        }
+        let last = self.calls.keys().next_back().copied();
+        let id = fragment["id"].as_str().filter(|id| !id.is_empty());
+        match (id, last) {
+            (Some(id), Some(last)) if self.calls.values().all(|c| c.id != id) => last + 1,
+            (_, Some(last)) => last,
+            (_, None) => 0,
+        }
+    }
+
+    fn fragment(&mut self, fragment: &Value) {
+        let slot = self.slot(fragment);
+        let call = self.calls.entry(slot).or_default();
+        if let Some(id) = fragment["id"].as_str().filter(|id| !id.is_empty())
+            && call.id.is_empty()
+        {
+            call.id = id.to_owned();
+        }
+        let function = &fragment["function"];
+        if let Some(name) = function["name"].as_str().filter(|n| !n.is_empty())
+            && call.name.is_empty()
+        {
+            call.name = name.to_owned();
+        }
+        match &function["arguments"] {
+            Value::String(piece) => call.arguments.push_str(piece),
+            // Some servers send the arguments as an object, whole.
+            object @ Value::Object(_) => call.arguments.push_str(&object.to_string()),
+            _ => {}
+        }
+    }
+
+    /// The calls gathered so far, complete, in index order.
+    fn flush(&mut self) -> Vec<Item> {
+        std::mem::take(&mut self.calls)
+            .into_values()
+            .map(|call| {
+                let PartialCall {
+                    id,
+                    name,
+                    arguments,
+                } = call;
+                // A server that gives no id still needs one to pair the
+                // result with the call in the history.
+                let id = if id.is_empty() {
+                    format!("call_{}", uuid::Uuid::now_v7().simple())
+                } else {
+                    id
+                };
+                let invalid = |why: String| ProviderError::Stream {
+                    code: "invalid_tool_input".into(),
+                    message: format!("the model's tool call {id} is not valid: {why}"),
+                };
+                if name.is_empty() {
+                    return Err(invalid("it names no function".into()));
+                }
+                if arguments.trim().is_empty() {
+                    return Ok(ModelEvent::ToolCall {
+                        id,
+                        name,
+                        input: json!({}),
+                    });
+                }
+                match serde_json::from_str::<Value>(&arguments) {
+                    Ok(input) if input.is_object() => Ok(ModelEvent::ToolCall { id, name, input }),
+                    Ok(other) => Err(invalid(format!(
+                        "the arguments of `{name}` are not a JSON object: {other}"
+                    ))),
+                    Err(err) => Err(invalid(format!(
+                        "the arguments of `{name}` are not JSON: {err}"
+                    ))),
+                }
+            })
+            .collect()
+    }
+
+    /// The model events of one `data:` line.
+    fn feed(&mut self, raw: &str) -> Vec<Item> {
+        if raw.trim() == "[DONE]" {
+            return self.end(true);
+        }
+        let Ok(chunk) = serde_json::from_str::<Value>(raw) else {
+            return Vec::new();
+        };
+        if let Some((code, message)) = describe(&chunk) {
+            return vec![Err(ProviderError::Stream { code, message })];
+        }
+        let mut out = Vec::new();
+        if let Some(usage) = chunk.get("usage").filter(|u| u.is_object()) {
+            out.push(Ok(ModelEvent::Usage {
+                input_tokens: usage["prompt_tokens"].as_i64().unwrap_or(0),
+                output_tokens: usage["completion_tokens"].as_i64().unwrap_or(0),
+            }));
+        }
+        for choice in chunk["choices"].as_array().into_iter().flatten() {
+            let delta = &choice["delta"];
+            for field in ["reasoning_content", "reasoning"] {
+                if let Some(text) = delta[field].as_str().filter(|t| !t.is_empty()) {
+                    out.push(Ok(ModelEvent::Reasoning(text.to_owned())));
+                }
+            }
+            if let Some(text) = delta["content"].as_str().filter(|t| !t.is_empty()) {
+                out.push(Ok(ModelEvent::Text(text.to_owned())));
+            }
+            for fragment in delta["tool_calls"].as_array().into_iter().flatten() {
+                self.fragment(fragment);
+            }
+            if let Some(reason) = choice["finish_reason"].as_str() {
+                self.stop_reason = Some(reason.to_owned());
+                // The calls are complete once their choice finishes.
+                out.extend(self.flush());
+            }
+        }
+        out
+    }
+
+    /// The end of the stream: `[DONE]`, or the connection closing (some
+    /// servers send no `[DONE]`; a finish reason is enough then).
+    fn end(&mut self, done: bool) -> Vec<Item> {
+        let mut out = self.flush();
+        out.push(match self.stop_reason.take() {
+            Some(stop_reason) => Ok(ModelEvent::Finished { stop_reason }),
+            None if done => Ok(ModelEvent::Finished {
+                stop_reason: String::new(),
+            }),
+            None => Err(ProviderError::Network(
+                "the stream ended before it finished".into(),
+            )),
+        });
+        out
+    }
 }
 
 #[async_trait::async_trait]
@@ -67,7 +298,7 @@ impl Provider for OpenAi {
         let response = http::send(builder, describe).await?;
         let mut events = Box::pin(http::events(response, self.0.idle_timeout));
         let stream = async_stream::stream! {
-            let mut stop_reason: Option<String> = None;
+            let mut parser = Parser::default();
             while let Some(event) = events.next().await {
                 let event = match event {
                     Ok(event) => event,
@@ -76,42 +307,20 @@ impl Provider for OpenAi {
                         return;
                     }
                 };
-                if event.data.trim() == "[DONE]" {
-                    yield Ok(ModelEvent::Finished { stop_reason: stop_reason.unwrap_or_default() });
-                    return;
-                }
-                let Ok(chunk) = serde_json::from_str::<Value>(&event.data) else {
-                    continue;
-                };
-                if let Some((code, message)) = describe(&chunk) {
-                    yield Err(ProviderError::Stream { code, message });
-                    return;
-                }
-                if let Some(usage) = chunk.get("usage").filter(|u| u.is_object()) {
-                    yield Ok(ModelEvent::Usage {
-                        input_tokens: usage["prompt_tokens"].as_i64().unwrap_or(0),
-                        output_tokens: usage["completion_tokens"].as_i64().unwrap_or(0),
-                    });
-                }
-                for choice in chunk["choices"].as_array().into_iter().flatten() {
-                    let delta = &choice["delta"];
-                    for field in ["reasoning_content", "reasoning"] {
-                        if let Some(text) = delta[field].as_str().filter(|t| !t.is_empty()) {
-                            yield Ok(ModelEvent::Reasoning(text.to_owned()));
-                        }
-                    }
-                    if let Some(text) = delta["content"].as_str().filter(|t| !t.is_empty()) {
-                        yield Ok(ModelEvent::Text(text.to_owned()));
-                    }
-                    if let Some(reason) = choice["finish_reason"].as_str() {
-                        stop_reason = Some(reason.to_owned());
+                for item in parser.feed(&event.data) {
+                    let last = matches!(item, Err(_) | Ok(ModelEvent::Finished { .. }));
+                    yield item;
+                    if last {
+                        return;
                     }
                 }
             }
-            // Some servers end without `[DONE]`; a finish reason is enough.
-            match stop_reason {
-                Some(stop_reason) => yield Ok(ModelEvent::Finished { stop_reason }),
-                None => yield Err(ProviderError::Network("the stream ended before it finished".into())),
+            for item in parser.end(false) {
+                let last = item.is_err();
+                yield item;
+                if last {
+                    return;
+                }
             }
         };
         Ok(stream.boxed())
@@ -121,7 +330,19 @@ impl Provider for OpenAi {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::providers::Turn;
+    use crate::providers::ToolSpec;
+
+    fn request(turns: Vec<Turn>) -> ModelRequest {
+        ModelRequest {
+            model: "gpt-x".into(),
+            system: Some("Be brief.".into()),
+            turns,
+            tools: Vec::new(),
+            max_tokens: 50,
+            thinking_budget: None,
+            attempt: 1,
+        }
+    }
 
     #[test]
     fn the_endpoint_takes_bases_with_and_without_v1() {
@@ -131,18 +352,205 @@ mod tests {
 
     #[test]
     fn the_body_streams_with_usage_and_the_system_prompt_first() {
-        let request = ModelRequest {
-            model: "gpt-x".into(),
-            system: Some("Be brief.".into()),
-            turns: vec![Turn::text(MessageRole::User, "hi")],
-            tools: Vec::new(),
-            max_tokens: 50,
-            thinking_budget: None,
-            attempt: 1,
-        };
-        let body = body(&request);
+        let body = body(&request(vec![Turn::text(MessageRole::User, "hi")]));
         assert_eq!(body["stream_options"]["include_usage"], true);
         assert_eq!(body["messages"][0]["role"], "system");
         assert_eq!(body["messages"][1]["content"], "hi");
+        assert!(body.get("tools").is_none());
+    }
+
+    #[test]
+    fn tool_calls_and_results_become_tool_calls_and_tool_messages() {
+        let mut request = request(vec![
+            Turn::text(MessageRole::User, "look up two things"),
+            Turn {
+                role: MessageRole::Assistant,
+                content: vec![
+                    Content::Reasoning {
+                        text: "never sent".into(),
+                        signature: Some("sig".into()),
+                    },
+                    Content::ToolUse {
+                        id: "call_1".into(),
+                        name: "lookup".into(),
+                        input: json!({ "q": "é \"x\"" }),
+                    },
+                    Content::ToolUse {
+                        id: "call_2".into(),
+                        name: "lookup".into(),
+                        input: json!({}),
+                    },
+                ],
+            },
+            Turn {
+                role: MessageRole::User,
+                content: vec![
+                    Content::ToolResult {
+                        tool_use_id: "call_1".into(),
+                        output: "one".into(),
+                        is_error: false,
+                    },
+                    Content::ToolResult {
+                        tool_use_id: "call_2".into(),
+                        output: "two failed".into(),
+                        is_error: true,
+                    },
+                    Content::Text("thanks".into()),
+                ],
+            },
+            Turn {
+                role: MessageRole::Assistant,
+                content: vec![
+                    Content::Text("Both found. ".into()),
+                    Content::Reasoning {
+                        text: "unsigned".into(),
+                        signature: None,
+                    },
+                    Content::Text("Done.".into()),
+                ],
+            },
+        ]);
+        request.tools = vec![ToolSpec {
+            name: "lookup".into(),
+            description: "Looks things up".into(),
+            input_schema: json!({ "type": "object" }),
+        }];
+        let body = body(&request);
+        assert_eq!(
+            body["tools"],
+            json!([{ "type": "function", "function": {
+                "name": "lookup", "description": "Looks things up", "parameters": { "type": "object" } } }])
+        );
+        let messages = body["messages"].as_array().unwrap();
+        assert_eq!(
+            messages[2],
+            json!({ "role": "assistant", "content": null, "tool_calls": [
+                { "id": "call_1", "type": "function",
+                  "function": { "name": "lookup", "arguments": "{\"q\":\"é \\\"x\\\"\"}" } },
+                { "id": "call_2", "type": "function",
+                  "function": { "name": "lookup", "arguments": "{}" } },
+            ] })
+        );
+        assert_eq!(
+            messages[3],
+            json!({ "role": "tool", "tool_call_id": "call_1", "content": "one" })
+        );
+        assert_eq!(
+            messages[4],
+            json!({ "role": "tool", "tool_call_id": "call_2", "content": "two failed" })
+        );
+        assert_eq!(messages[5], json!({ "role": "user", "content": "thanks" }));
+        assert_eq!(
+            messages[6],
+            json!({ "role": "assistant", "content": "Both found. Done." })
+        );
+        assert_eq!(messages.len(), 7);
+    }
+
+    #[test]
+    fn an_assistant_turn_with_nothing_to_send_is_left_out() {
+        let body = body(&request(vec![
+            Turn::text(MessageRole::User, "a"),
+            Turn {
+                role: MessageRole::Assistant,
+                content: vec![Content::Reasoning {
+                    text: "hmm".into(),
+                    signature: None,
+                }],
+            },
+            Turn::text(MessageRole::User, "b"),
+        ]));
+        let roles: Vec<&str> = body["messages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m["role"].as_str().unwrap())
+            .collect();
+        assert_eq!(roles, ["system", "user", "user"]);
+    }
+
+    fn chunk(delta: Value, finish: Value) -> String {
+        json!({ "choices": [{ "index": 0, "delta": delta, "finish_reason": finish }] }).to_string()
+    }
+
+    #[test]
+    fn tool_call_fragments_by_index_come_out_whole_when_the_choice_finishes() {
+        let mut parser = Parser::default();
+        let calls = |calls: Value| chunk(json!({ "tool_calls": calls }), Value::Null);
+        let fragments = [
+            calls(json!([{ "index": 0, "id": "call_a", "type": "function",
+                           "function": { "name": "lookup", "arguments": "" } }])),
+            calls(json!([{ "index": 1, "id": "call_b", "type": "function",
+                           "function": { "name": "fetch", "arguments": "{\"u\":" } }])),
+            calls(json!([{ "index": 0, "function": { "arguments": "{\"q\": \"\\u00" } }])),
+            calls(json!([{ "index": 1, "function": { "arguments": "\"x\"}" } }])),
+            calls(json!([{ "index": 0, "function": { "arguments": "e9\"}" } }])),
+        ];
+        for fragment in &fragments {
+            assert!(parser.feed(fragment).is_empty());
+        }
+        let events = parser.feed(&chunk(json!({}), json!("tool_calls")));
+        assert_eq!(
+            events,
+            [
+                Ok(ModelEvent::ToolCall {
+                    id: "call_a".into(),
+                    name: "lookup".into(),
+                    input: json!({ "q": "é" })
+                }),
+                Ok(ModelEvent::ToolCall {
+                    id: "call_b".into(),
+                    name: "fetch".into(),
+                    input: json!({ "u": "x" })
+                }),
+            ]
+        );
+        assert_eq!(
+            parser.feed("[DONE]"),
+            [Ok(ModelEvent::Finished {
+                stop_reason: "tool_calls".into()
+            })]
+        );
+    }
+
+    #[test]
+    fn whole_calls_without_index_and_bad_arguments_are_handled() {
+        let mut parser = Parser::default();
+        let whole = |id: &str| {
+            chunk(
+                json!({ "tool_calls": [{ "id": id, "function": { "name": "f", "arguments": { "n": 1 } } }] }),
+                Value::Null,
+            )
+        };
+        parser.feed(&whole("c1"));
+        parser.feed(&whole("c2"));
+        let events = parser.end(false);
+        let ids: Vec<String> = events
+            .iter()
+            .filter_map(|e| match e {
+                Ok(ModelEvent::ToolCall { id, input, .. }) => {
+                    assert_eq!(input, &json!({ "n": 1 }));
+                    Some(id.clone())
+                }
+                _ => None,
+            })
+            .collect();
+        assert_eq!(ids, ["c1", "c2"]);
+        // No finish reason and no [DONE]: the stream was cut.
+        assert!(matches!(
+            events.last(),
+            Some(Err(ProviderError::Network(_)))
+        ));
+
+        let mut parser = Parser::default();
+        let bad = parser.feed(&chunk(
+            json!({ "tool_calls": [{ "index": 0, "id": "c3", "function": { "name": "f", "arguments": "{\"n\": tru" } }] }),
+            json!("tool_calls"),
+        ));
+        assert!(
+            matches!(&bad[..], [Err(ProviderError::Stream { code, message })]
+                if code == "invalid_tool_input" && message.contains("c3")),
+            "{bad:?}"
+        );
     }
 }

@@ -35,6 +35,17 @@ pub enum Reply {
     },
 }
 
+impl Reply {
+    /// A 200 streaming `sse` in chunks of `chunk_bytes`, without pauses.
+    pub fn sse(sse: String, chunk_bytes: usize) -> Reply {
+        Reply::Stream {
+            sse,
+            chunk_bytes,
+            pause: Duration::ZERO,
+        }
+    }
+}
+
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum Wire {
     Anthropic,
@@ -90,19 +101,19 @@ impl FakeProvider {
     }
 }
 
-fn error_body(wire: Wire, kind: &str, message: &str) -> Value {
+fn error_body(wire: Wire, kind: &str, message: &str, param: Option<&str>) -> Value {
     match wire {
         Wire::Anthropic => {
             json!({ "type": "error", "error": { "type": kind, "message": message } })
         }
         Wire::OpenAi => {
-            json!({ "error": { "message": message, "type": kind, "param": null, "code": null } })
+            json!({ "error": { "message": message, "type": kind, "param": param, "code": null } })
         }
     }
 }
 
 fn refuse(wire: Wire, status: StatusCode, kind: &str, message: &str) -> Response {
-    (status, axum::Json(error_body(wire, kind, message))).into_response()
+    (status, axum::Json(error_body(wire, kind, message, None))).into_response()
 }
 
 async fn anthropic(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Response {
@@ -142,13 +153,67 @@ async fn anthropic(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: 
     answer(&shared, request)
 }
 
-/// What the Messages API insists on.
+/// A signature the fake gives a thinking block, and checks when the block
+/// comes back: as the real API, it refuses thinking that was changed or
+/// signed by someone else. Deterministic (FNV-1a of the text) so tests can
+/// expect it.
+pub fn fake_signature(thinking: &str) -> String {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for byte in thinking.bytes() {
+        hash ^= u64::from(byte);
+        hash = hash.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("EqFAKE{hash:016x}")
+}
+
+/// The ids of an assistant message's `tool_use` blocks.
+fn tool_use_ids(message: &Value) -> Vec<String> {
+    message["content"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|b| b["type"] == "tool_use")
+        .filter_map(|b| b["id"].as_str().map(str::to_owned))
+        .collect()
+}
+
+/// What the Messages API insists on, with its own messages.
 fn check_anthropic(request: &Value) -> Result<(), String> {
     if !request["model"].is_string() {
         return Err("model: Field required".into());
     }
-    if !request["max_tokens"].is_u64() {
+    let Some(max_tokens) = request["max_tokens"].as_u64() else {
         return Err("max_tokens: Field required".into());
+    };
+    let thinking = request["thinking"]["type"] == "enabled";
+    if thinking {
+        let budget = request["thinking"]["budget_tokens"].as_u64().unwrap_or(0);
+        if budget < 1024 {
+            return Err(
+                "thinking.enabled.budget_tokens: Input should be greater than or equal to 1024"
+                    .into(),
+            );
+        }
+        if max_tokens <= budget {
+            return Err("`max_tokens` must be greater than `thinking.budget_tokens`. Please consult our documentation at https://docs.claude.com/en/docs/build-with-claude/extended-thinking#max-tokens-and-context-window-size".into());
+        }
+    }
+    let mut names = std::collections::HashSet::new();
+    for (i, tool) in request["tools"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .enumerate()
+    {
+        let Some(name) = tool["name"].as_str() else {
+            return Err(format!("tools.{i}.name: Field required"));
+        };
+        if !tool["input_schema"].is_object() {
+            return Err(format!("tools.{i}.input_schema: Field required"));
+        }
+        if !names.insert(name) {
+            return Err("tools: Tool names must be unique.".into());
+        }
     }
     let messages = request["messages"]
         .as_array()
@@ -161,9 +226,120 @@ fn check_anthropic(request: &Value) -> Result<(), String> {
             return Err("messages: roles must alternate between \"user\" and \"assistant\"".into());
         }
     }
-    for message in messages {
-        if message["role"] != "user" && message["role"] != "assistant" {
+    for (i, message) in messages.iter().enumerate() {
+        let role = &message["role"];
+        if role != "user" && role != "assistant" {
             return Err("messages: unexpected role".into());
+        }
+        let blocks = match &message["content"] {
+            Value::String(_) => continue,
+            Value::Array(blocks) => blocks,
+            _ => return Err(format!("messages.{i}.content: Field required")),
+        };
+        if blocks.is_empty() {
+            return Err(format!(
+                "messages.{i}: all messages must have non-empty content except for the optional final assistant message"
+            ));
+        }
+        for (j, block) in blocks.iter().enumerate() {
+            let kind = block["type"].as_str().unwrap_or("");
+            match (kind, role.as_str().unwrap_or("")) {
+                ("text", _) => {
+                    let text = block["text"].as_str().unwrap_or("");
+                    if text.is_empty() {
+                        return Err("messages: text content blocks must be non-empty".into());
+                    }
+                    if text.trim().is_empty() {
+                        return Err(
+                            "messages: text content blocks must contain non-whitespace text".into(),
+                        );
+                    }
+                }
+                ("thinking", "assistant") => {
+                    let Some(signature) = block["signature"].as_str() else {
+                        return Err(format!(
+                            "messages.{i}.content.{j}.thinking.signature: Field required"
+                        ));
+                    };
+                    let text = block["thinking"].as_str().unwrap_or("");
+                    if signature != fake_signature(text) {
+                        return Err(format!(
+                            "messages.{i}.content.{j}: Invalid `signature` in `thinking` block"
+                        ));
+                    }
+                }
+                ("redacted_thinking", "assistant") => {}
+                ("tool_use", "assistant") => {
+                    if !block["id"].is_string() || !block["name"].is_string() {
+                        return Err(format!(
+                            "messages.{i}.content.{j}.tool_use.id: Field required"
+                        ));
+                    }
+                    if !block["input"].is_object() {
+                        return Err(format!(
+                            "messages.{i}.content.{j}.tool_use.input: Input should be a valid dictionary"
+                        ));
+                    }
+                }
+                ("tool_result", "user") => {
+                    let id = block["tool_use_id"].as_str().unwrap_or("");
+                    let called = i > 0 && tool_use_ids(&messages[i - 1]).iter().any(|c| c == id);
+                    if !called {
+                        return Err(format!(
+                            "messages.{i}.content.{j}: unexpected `tool_use_id` found in `tool_result` blocks: {id}. Each `tool_result` block must have a corresponding `tool_use` block in the previous message."
+                        ));
+                    }
+                }
+                (kind, role) => {
+                    return Err(format!(
+                        "messages.{i}.content.{j}: a `{role}` message cannot contain `{kind}` blocks"
+                    ));
+                }
+            }
+        }
+        if role == "assistant" {
+            if blocks.last().is_some_and(|b| b["type"] == "thinking") {
+                return Err(format!(
+                    "messages.{i}: The final block in an assistant message cannot be `thinking`."
+                ));
+            }
+            // Every call answered by a `tool_result` at the very start of the
+            // next message.
+            let answered: Vec<&str> = messages
+                .get(i + 1)
+                .and_then(|next| next["content"].as_array())
+                .into_iter()
+                .flatten()
+                .take_while(|b| b["type"] == "tool_result")
+                .filter_map(|b| b["tool_use_id"].as_str())
+                .collect();
+            let dangling: Vec<String> = tool_use_ids(message)
+                .into_iter()
+                .filter(|id| !answered.contains(&id.as_str()))
+                .collect();
+            if !dangling.is_empty() {
+                return Err(format!(
+                    "messages.{i}: `tool_use` ids were found without `tool_result` blocks immediately after: {}. Each `tool_use` block must have a corresponding `tool_result` block in the next message.",
+                    dangling.join(", ")
+                ));
+            }
+        }
+    }
+    // With thinking on, the assistant message whose tool calls are being
+    // answered must open with the thinking that led to them.
+    if thinking
+        && let Some((i, last)) = messages
+            .iter()
+            .enumerate()
+            .rev()
+            .find(|(_, m)| m["role"] == "assistant")
+        && !tool_use_ids(last).is_empty()
+    {
+        let first = last["content"][0]["type"].as_str().unwrap_or("text");
+        if first != "thinking" && first != "redacted_thinking" {
+            return Err(format!(
+                "messages.{i}.content.0.type: Expected `thinking` or `redacted_thinking`, but found `{first}`. When `thinking` is enabled, a final `assistant` message must start with a thinking block (preceeding the lastmost set of `tool_use` and `tool_result` blocks). We recommend you include thinking blocks from previous turns. To avoid this requirement, disable `thinking`. Please consult our documentation at https://docs.claude.com/en/docs/build-with-claude/extended-thinking"
+            ));
         }
     }
     Ok(())
@@ -197,7 +373,127 @@ async fn openai(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Byt
             "model and messages are required",
         );
     }
+    if let Err((param, message)) = check_openai(&request) {
+        let body = error_body(wire, "invalid_request_error", &message, Some(&param));
+        return (StatusCode::BAD_REQUEST, axum::Json(body)).into_response();
+    }
     answer(&shared, request)
+}
+
+/// The ids of an assistant message's `tool_calls`.
+fn tool_call_ids(message: &Value) -> Vec<String> {
+    message["tool_calls"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|c| c["id"].as_str().map(str::to_owned))
+        .collect()
+}
+
+/// What chat completions insist on about tools, as (`param`, message).
+fn check_openai(request: &Value) -> Result<(), (String, String)> {
+    for (i, tool) in request["tools"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .enumerate()
+    {
+        if tool["type"] != "function" {
+            return Err((
+                format!("tools[{i}].type"),
+                format!("Missing required parameter: 'tools[{i}].type'."),
+            ));
+        }
+        if !tool["function"]["name"].is_string() {
+            return Err((
+                format!("tools[{i}].function.name"),
+                format!("Missing required parameter: 'tools[{i}].function.name'."),
+            ));
+        }
+    }
+    let messages = request["messages"].as_array().cloned().unwrap_or_default();
+    for (i, message) in messages.iter().enumerate() {
+        match message["role"].as_str().unwrap_or("") {
+            "system" | "developer" | "user" => {}
+            "assistant" => {
+                let calls = message["tool_calls"].as_array();
+                if message["content"].is_null() && calls.is_none_or(|c| c.is_empty()) {
+                    return Err((
+                        format!("messages.[{i}].content"),
+                        "Invalid value for 'content': expected a string, got null.".into(),
+                    ));
+                }
+                for (k, call) in calls.into_iter().flatten().enumerate() {
+                    if !call["id"].is_string() || call["type"] != "function" {
+                        return Err((
+                            format!("messages.[{i}].tool_calls.[{k}]"),
+                            format!(
+                                "Missing required parameter: 'messages[{i}].tool_calls[{k}].id'."
+                            ),
+                        ));
+                    }
+                    if !call["function"]["arguments"].is_string() {
+                        return Err((
+                            format!("messages.[{i}].tool_calls.[{k}].function.arguments"),
+                            format!(
+                                "Invalid type for 'messages[{i}].tool_calls[{k}].function.arguments': expected a string, but got an object instead."
+                            ),
+                        ));
+                    }
+                }
+                // Each call answered by the `tool` messages right after.
+                let answered: Vec<&str> = messages[i + 1..]
+                    .iter()
+                    .take_while(|m| m["role"] == "tool")
+                    .filter_map(|m| m["tool_call_id"].as_str())
+                    .collect();
+                let unanswered: Vec<String> = tool_call_ids(message)
+                    .into_iter()
+                    .filter(|id| !answered.contains(&id.as_str()))
+                    .collect();
+                if !unanswered.is_empty() {
+                    return Err((
+                        format!("messages.[{i}].role"),
+                        format!(
+                            "An assistant message with 'tool_calls' must be followed by tool messages responding to each 'tool_call_id'. The following tool_call_ids did not have response messages: {}",
+                            unanswered.join(", ")
+                        ),
+                    ));
+                }
+            }
+            "tool" => {
+                let caller = messages[..i].iter().rev().find(|m| m["role"] != "tool");
+                let calls = caller
+                    .filter(|m| m["role"] == "assistant")
+                    .map(tool_call_ids)
+                    .unwrap_or_default();
+                if calls.is_empty() {
+                    return Err((
+                        format!("messages.[{i}].role"),
+                        "Invalid parameter: messages with role 'tool' must be a response to a preceeding message with 'tool_calls'.".into(),
+                    ));
+                }
+                let id = message["tool_call_id"].as_str().unwrap_or("");
+                if !calls.iter().any(|c| c == id) {
+                    return Err((
+                        format!("messages.[{i}].tool_call_id"),
+                        format!(
+                            "Invalid parameter: 'tool_call_id' of '{id}' not found in 'tool_calls' of previous message."
+                        ),
+                    ));
+                }
+            }
+            other => {
+                return Err((
+                    format!("messages.[{i}].role"),
+                    format!(
+                        "Invalid value: '{other}'. Supported values are: 'system', 'assistant', 'user', 'function', 'tool', and 'developer'."
+                    ),
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 fn answer(shared: &Arc<Shared>, request: Value) -> Response {
@@ -279,35 +575,158 @@ fn sse_event(kind: &str, data: Value) -> String {
     format!("event: {kind}\ndata: {data}\n\n")
 }
 
-/// A Messages API stream of text pieces, as the real API sends it.
-pub fn anthropic_sse(pieces: &[&str], input_tokens: i64, output_tokens: i64) -> String {
+/// A tool call the fake model makes, for the SSE builders.
+#[derive(Debug, Clone)]
+pub struct FakeToolCall {
+    pub id: String,
+    pub name: String,
+    /// The input exactly as the model streams it, as JSON text.
+    pub input_json: String,
+}
+
+impl FakeToolCall {
+    /// A call whose input streams as `input`'s JSON text.
+    pub fn new(id: &str, name: &str, input: Value) -> FakeToolCall {
+        FakeToolCall::raw(id, name, &input.to_string())
+    }
+
+    /// A call whose input streams as exactly this JSON text (with the
+    /// escapes of your choosing: `\u00e9`, surrogate pairs, …).
+    pub fn raw(id: &str, name: &str, input_json: &str) -> FakeToolCall {
+        FakeToolCall {
+            id: id.into(),
+            name: name.into(),
+            input_json: input_json.into(),
+        }
+    }
+
+    /// The input a client should assemble from the fragments.
+    pub fn input(&self) -> Value {
+        serde_json::from_str(&self.input_json).unwrap()
+    }
+}
+
+/// JSON text cut the way a streaming model cuts it, only more awkwardly: an
+/// empty fragment first (as the Messages API sends), then pieces of 1, 2, 3,
+/// 1, 2, 3… characters, so cuts fall inside strings, inside escapes (`\` |
+/// `"`, `\u00` | `e9`) and right beside multi-byte characters (which the SSE
+/// chunking of `Reply::Stream` then splits byte-wise).
+pub fn awkward_fragments(json: &str) -> Vec<String> {
+    let chars: Vec<char> = json.chars().collect();
+    let mut fragments = vec![String::new()];
+    let mut at = 0;
+    for size in [1, 2, 3].into_iter().cycle() {
+        if at >= chars.len() {
+            break;
+        }
+        let end = (at + size).min(chars.len());
+        fragments.push(chars[at..end].iter().collect());
+        at = end;
+    }
+    fragments
+}
+
+/// One content block of a Messages API reply.
+pub enum AnthropicBlock {
+    /// Text in these pieces (`text_delta`s).
+    Text(Vec<String>),
+    /// Thinking in these pieces (`thinking_delta`s), closed by one
+    /// `signature_delta` carrying `fake_signature` of the whole text.
+    Thinking(Vec<String>),
+    /// A tool call, its input in `awkward_fragments` (`input_json_delta`s).
+    ToolUse(FakeToolCall),
+}
+
+impl AnthropicBlock {
+    pub fn text(pieces: &[&str]) -> AnthropicBlock {
+        AnthropicBlock::Text(pieces.iter().map(|p| p.to_string()).collect())
+    }
+
+    pub fn thinking(pieces: &[&str]) -> AnthropicBlock {
+        AnthropicBlock::Thinking(pieces.iter().map(|p| p.to_string()).collect())
+    }
+}
+
+/// A Messages API stream of these blocks, as the real API sends it:
+/// `message_start`, each block's start, deltas and stop (a `ping` after the
+/// first start), `message_delta` with `stop_reason` and usage,
+/// `message_stop`.
+pub fn anthropic_sse_blocks(
+    blocks: &[AnthropicBlock],
+    stop_reason: &str,
+    input_tokens: i64,
+    output_tokens: i64,
+) -> String {
     let mut sse = sse_event(
         "message_start",
         json!({"type": "message_start", "message": {"id": "msg_fake", "type": "message", "role": "assistant",
                "content": [], "model": "claude-fake", "stop_reason": null, "stop_sequence": null,
                "usage": {"input_tokens": input_tokens, "output_tokens": 1}}}),
     );
-    sse += &sse_event(
-        "content_block_start",
-        json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}),
-    );
-    sse += &sse_event("ping", json!({"type": "ping"}));
-    for piece in pieces {
-        sse += &sse_event(
+    let delta = |index: usize, delta: Value| {
+        sse_event(
             "content_block_delta",
-            json!({"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": piece}}),
+            json!({"type": "content_block_delta", "index": index, "delta": delta}),
+        )
+    };
+    for (index, block) in blocks.iter().enumerate() {
+        let (start, deltas): (Value, Vec<Value>) = match block {
+            AnthropicBlock::Text(pieces) => (
+                json!({"type": "text", "text": ""}),
+                pieces
+                    .iter()
+                    .map(|p| json!({"type": "text_delta", "text": p}))
+                    .collect(),
+            ),
+            AnthropicBlock::Thinking(pieces) => {
+                let mut deltas: Vec<Value> = pieces
+                    .iter()
+                    .map(|p| json!({"type": "thinking_delta", "thinking": p}))
+                    .collect();
+                deltas.push(
+                    json!({"type": "signature_delta", "signature": fake_signature(&pieces.concat())}),
+                );
+                (json!({"type": "thinking", "thinking": ""}), deltas)
+            }
+            AnthropicBlock::ToolUse(call) => (
+                json!({"type": "tool_use", "id": call.id, "name": call.name, "input": {}}),
+                awkward_fragments(&call.input_json)
+                    .into_iter()
+                    .map(|f| json!({"type": "input_json_delta", "partial_json": f}))
+                    .collect(),
+            ),
+        };
+        sse += &sse_event(
+            "content_block_start",
+            json!({"type": "content_block_start", "index": index, "content_block": start}),
+        );
+        if index == 0 {
+            sse += &sse_event("ping", json!({"type": "ping"}));
+        }
+        for d in deltas {
+            sse += &delta(index, d);
+        }
+        sse += &sse_event(
+            "content_block_stop",
+            json!({"type": "content_block_stop", "index": index}),
         );
     }
     sse += &sse_event(
-        "content_block_stop",
-        json!({"type": "content_block_stop", "index": 0}),
-    );
-    sse += &sse_event(
         "message_delta",
-        json!({"type": "message_delta", "delta": {"stop_reason": "end_turn", "stop_sequence": null}, "usage": {"output_tokens": output_tokens}}),
+        json!({"type": "message_delta", "delta": {"stop_reason": stop_reason, "stop_sequence": null}, "usage": {"output_tokens": output_tokens}}),
     );
     sse += &sse_event("message_stop", json!({"type": "message_stop"}));
     sse
+}
+
+/// A Messages API stream of text pieces, as the real API sends it.
+pub fn anthropic_sse(pieces: &[&str], input_tokens: i64, output_tokens: i64) -> String {
+    anthropic_sse_blocks(
+        &[AnthropicBlock::text(pieces)],
+        "end_turn",
+        input_tokens,
+        output_tokens,
+    )
 }
 
 /// The start of a Messages API stream that then reports an error event.
@@ -321,53 +740,113 @@ pub fn anthropic_sse_failing(pieces: &[&str], kind: &str, message: &str) -> Stri
         )
 }
 
-/// A chat-completions stream of text pieces, with the usage chunk and
-/// `[DONE]`.
-pub fn openai_sse(pieces: &[&str], prompt_tokens: i64, completion_tokens: i64) -> String {
-    let chunk = |delta: Value, finish: Value| {
-        format!(
-            "data: {}\n\n",
-            json!({"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": 0, "model": "gpt-fake",
-                   "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
-        )
-    };
-    let mut sse = chunk(json!({"role": "assistant", "content": ""}), Value::Null);
-    for piece in pieces {
-        sse += &chunk(json!({"content": piece}), Value::Null);
+/// A Messages API stream with a thinking block (signed with
+/// `fake_signature`) before the text.
+pub fn anthropic_sse_thinking(thinking: &[&str], pieces: &[&str]) -> String {
+    anthropic_sse_blocks(
+        &[
+            AnthropicBlock::thinking(thinking),
+            AnthropicBlock::text(pieces),
+        ],
+        "end_turn",
+        10,
+        5,
+    )
+}
+
+/// A Messages API stream of text pieces (no text block when there are
+/// none) then tool calls, stop reason `tool_use`; usage 10 in, 5 out.
+pub fn anthropic_sse_tool_calls(text: &[&str], calls: &[FakeToolCall]) -> String {
+    anthropic_sse_thinking_tool_calls(&[], text, calls)
+}
+
+/// Like `anthropic_sse_tool_calls`, opening with a signed thinking block
+/// (none when `thinking` is empty), as a model with extended thinking does.
+pub fn anthropic_sse_thinking_tool_calls(
+    thinking: &[&str],
+    text: &[&str],
+    calls: &[FakeToolCall],
+) -> String {
+    let mut blocks = Vec::new();
+    if !thinking.is_empty() {
+        blocks.push(AnthropicBlock::thinking(thinking));
     }
-    sse += &chunk(json!({}), json!("stop"));
-    sse += &format!(
+    if !text.is_empty() {
+        blocks.push(AnthropicBlock::text(text));
+    }
+    blocks.extend(calls.iter().cloned().map(AnthropicBlock::ToolUse));
+    anthropic_sse_blocks(&blocks, "tool_use", 10, 5)
+}
+
+/// One chat-completion chunk of one choice.
+fn openai_chunk(delta: Value, finish: Value) -> String {
+    format!(
+        "data: {}\n\n",
+        json!({"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": 0, "model": "gpt-fake",
+               "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]})
+    )
+}
+
+/// The usage chunk (no choices) and `[DONE]` that end a stream.
+fn openai_end(prompt_tokens: i64, completion_tokens: i64) -> String {
+    format!(
         "data: {}\n\n",
         json!({"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": 0, "model": "gpt-fake",
                "choices": [], "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}})
-    );
-    sse + "data: [DONE]\n\n"
+    ) + "data: [DONE]\n\n"
 }
 
-/// A Messages API stream with a thinking block (with its signature) before
-/// the text.
-pub fn anthropic_sse_thinking(thinking: &[&str], pieces: &[&str]) -> String {
-    let text_only = anthropic_sse(pieces, 10, 5);
-    let start = text_only.find("event: content_block_start").unwrap();
-    let mut thinking_block = sse_event(
-        "content_block_start",
-        json!({"type": "content_block_start", "index": 0, "content_block": {"type": "thinking", "thinking": ""}}),
-    );
-    for piece in thinking {
-        thinking_block += &sse_event(
-            "content_block_delta",
-            json!({"type": "content_block_delta", "index": 0, "delta": {"type": "thinking_delta", "thinking": piece}}),
-        );
+/// A chat-completions stream of text pieces, with the usage chunk and
+/// `[DONE]`.
+pub fn openai_sse(pieces: &[&str], prompt_tokens: i64, completion_tokens: i64) -> String {
+    let mut sse = openai_chunk(json!({"role": "assistant", "content": ""}), Value::Null);
+    for piece in pieces {
+        sse += &openai_chunk(json!({"content": piece}), Value::Null);
     }
-    thinking_block += &sse_event(
-        "content_block_delta",
-        json!({"type": "content_block_delta", "index": 0, "delta": {"type": "signature_delta", "signature": "c2lnbmF0dXJl"}}),
+    sse += &openai_chunk(json!({}), json!("stop"));
+    sse + &openai_end(prompt_tokens, completion_tokens)
+}
+
+/// A chat-completions stream of text pieces (maybe none) then tool calls:
+/// per call a first fragment with `index`, `id`, `type` and `function.name`,
+/// then `function.arguments` in `awkward_fragments`, the calls' fragments
+/// interleaved (so only `index` tells them apart); finish reason
+/// `tool_calls`, usage 10 in, 5 out, `[DONE]`.
+pub fn openai_sse_tool_calls(text: &[&str], calls: &[FakeToolCall]) -> String {
+    let content = if text.is_empty() {
+        Value::Null
+    } else {
+        json!("")
+    };
+    let mut sse = openai_chunk(
+        json!({"role": "assistant", "content": content}),
+        Value::Null,
     );
-    thinking_block += &sse_event(
-        "content_block_stop",
-        json!({"type": "content_block_stop", "index": 0}),
-    );
-    // The text block becomes index 1.
-    let rest = text_only[start..].replace("\"index\":0", "\"index\":1");
-    text_only[..start].to_owned() + &thinking_block + &rest
+    for piece in text {
+        sse += &openai_chunk(json!({"content": piece}), Value::Null);
+    }
+    let mut fragments: Vec<VecDeque<Value>> = calls
+        .iter()
+        .enumerate()
+        .map(|(index, call)| {
+            let mut fragments = VecDeque::from([json!({"index": index, "id": call.id, "type": "function",
+                                                       "function": {"name": call.name, "arguments": ""}})]);
+            fragments.extend(
+                awkward_fragments(&call.input_json)
+                    .into_iter()
+                    .skip(1)
+                    .map(|f| json!({"index": index, "function": {"arguments": f}})),
+            );
+            fragments
+        })
+        .collect();
+    while fragments.iter().any(|f| !f.is_empty()) {
+        for call in &mut fragments {
+            if let Some(fragment) = call.pop_front() {
+                sse += &openai_chunk(json!({"tool_calls": [fragment]}), Value::Null);
+            }
+        }
+    }
+    sse += &openai_chunk(json!({}), json!("tool_calls"));
+    sse + &openai_end(10, 5)
 }

@@ -3,11 +3,21 @@
 
 use std::time::Duration;
 
+use futures_util::StreamExt;
 use serde_json::{Value, json};
+use tether::domain::MessageRole;
+use tether::providers::anthropic::Anthropic;
+use tether::providers::http::{Endpoint, install_tls};
+use tether::providers::openai::OpenAi;
+use tether::providers::{
+    Content, ModelEvent, ModelRequest, Provider, ProviderError, ToolSpec, Turn,
+};
 
 use crate::fakes::{
-    FakeProvider, KEY, Reply, Wire, anthropic_sse, anthropic_sse_failing, anthropic_sse_thinking,
-    openai_sse,
+    AnthropicBlock, FakeProvider, FakeToolCall, KEY, Reply, Wire, anthropic_sse,
+    anthropic_sse_blocks, anthropic_sse_failing, anthropic_sse_thinking,
+    anthropic_sse_thinking_tool_calls, anthropic_sse_tool_calls, fake_signature, openai_sse,
+    openai_sse_tool_calls,
 };
 use crate::support::{Server, ServerOptions, events_with_retries as events, of_type};
 
@@ -416,7 +426,13 @@ keep_recent_messages = 2",
     let requests = fake.requests();
     assert_eq!(requests.len(), 4);
     let summary_request = requests[2]["messages"].as_array().unwrap();
-    let last = summary_request.last().unwrap()["content"][0]["text"]
+    // The instruction is the last block (the history's last user turn and
+    // it are one message, their blocks merged).
+    let last = summary_request.last().unwrap()["content"]
+        .as_array()
+        .unwrap()
+        .last()
+        .unwrap()["text"]
         .as_str()
         .unwrap();
     assert!(last.contains("Summarize the conversation above"), "{last}");
@@ -428,14 +444,8 @@ keep_recent_messages = 2",
     );
     let estimate: usize = main
         .iter()
-        .map(|m| {
-            m["content"][0]["text"]
-                .as_str()
-                .unwrap()
-                .chars()
-                .count()
-                .div_ceil(4)
-        })
+        .flat_map(|m| m["content"].as_array().unwrap())
+        .map(|block| block["text"].as_str().unwrap().chars().count().div_ceil(4))
         .sum();
     assert!(estimate <= 60, "the request fits the budget: {estimate}");
 
@@ -456,4 +466,567 @@ keep_recent_messages = 2",
         third["usage"]["inputTokens"], 20,
         "summary and reply: {third}"
     );
+}
+
+// The provider clients driven directly against the fakes: tool calls and
+// extended thinking, both ways.
+
+fn endpoint(fake: &FakeProvider) -> Endpoint {
+    install_tls();
+    Endpoint {
+        base_url: fake.base_url.clone(),
+        api_key: Some(KEY.into()),
+        idle_timeout: Duration::from_secs(5),
+    }
+}
+
+fn lookup_tool() -> ToolSpec {
+    ToolSpec {
+        name: "lookup".into(),
+        description: "Looks things up".into(),
+        input_schema: json!({ "type": "object", "properties": { "query": { "type": "string" } } }),
+    }
+}
+
+fn model_request(turns: Vec<Turn>, thinking_budget: Option<u32>) -> ModelRequest {
+    ModelRequest {
+        model: "fake-model".into(),
+        system: Some("Be brief.".into()),
+        turns,
+        tools: vec![lookup_tool()],
+        max_tokens: 321,
+        thinking_budget,
+        attempt: 1,
+    }
+}
+
+/// Every event of one request, or the first error.
+async fn run(
+    provider: &dyn Provider,
+    request: ModelRequest,
+) -> Result<Vec<ModelEvent>, ProviderError> {
+    let mut stream = provider.stream(request).await?;
+    let mut events = Vec::new();
+    while let Some(event) = stream.next().await {
+        events.push(event?);
+    }
+    Ok(events)
+}
+
+fn text_of(events: &[ModelEvent]) -> String {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            ModelEvent::Text(t) => Some(t.as_str()),
+            _ => None,
+        })
+        .collect()
+}
+
+fn calls_of(events: &[ModelEvent]) -> Vec<(String, String, Value)> {
+    events
+        .iter()
+        .filter_map(|e| match e {
+            ModelEvent::ToolCall { id, name, input } => {
+                Some((id.clone(), name.clone(), input.clone()))
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+fn expected_calls(calls: &[FakeToolCall]) -> Vec<(String, String, Value)> {
+    calls
+        .iter()
+        .map(|c| (c.id.clone(), c.name.clone(), c.input()))
+        .collect()
+}
+
+/// Calls whose inputs are hard to reassemble: escapes, multi-byte
+/// characters, a surrogate pair written as escapes, nesting, an empty input.
+fn awkward_calls(prefix: &str) -> Vec<FakeToolCall> {
+    vec![
+        FakeToolCall::new(
+            &format!("{prefix}1"),
+            "lookup",
+            json!({ "query": "Grüße \"zitiert\" \\ 世界 🚀", "limit": 3, "tags": ["a\nb", "ü"] }),
+        ),
+        FakeToolCall::raw(
+            &format!("{prefix}2"),
+            "lookup",
+            r#"{"query":"caf\u00e9 \ud83d\ude80 \"q\" \\","nested":{"ok":true,"n":[1,2.5]}}"#,
+        ),
+        FakeToolCall::raw(&format!("{prefix}3"), "lookup", ""),
+    ]
+}
+
+#[tokio::test]
+async fn anthropic_tool_calls_split_across_chunks_come_out_whole() {
+    let fake = FakeProvider::start(Wire::Anthropic).await;
+    let client = Anthropic(endpoint(&fake));
+    let calls = awkward_calls("toolu_0");
+    let mut expected = expected_calls(&calls[..2]);
+    // An input streamed as nothing at all is an empty object.
+    expected.push(("toolu_03".into(), "lookup".into(), json!({})));
+    for chunk_bytes in [1, 2, 3, 5, 7, 64] {
+        fake.script([Reply::sse(
+            anthropic_sse_tool_calls(&["Let me ", "look… ✓"], &calls),
+            chunk_bytes,
+        )]);
+        let turns = vec![Turn::text(MessageRole::User, "Look it up")];
+        let events = run(&client, model_request(turns, None)).await.unwrap();
+        assert_eq!(text_of(&events), "Let me look… ✓", "{chunk_bytes}");
+        assert_eq!(calls_of(&events), expected, "{chunk_bytes}");
+        assert_eq!(
+            events.last(),
+            Some(&ModelEvent::Finished {
+                stop_reason: "tool_use".into()
+            }),
+            "{chunk_bytes}"
+        );
+        assert!(events.contains(&ModelEvent::Usage {
+            input_tokens: 10,
+            output_tokens: 5
+        }));
+    }
+    let request = &fake.requests()[0];
+    assert_eq!(
+        request["tools"],
+        json!([{ "name": "lookup", "description": "Looks things up",
+                 "input_schema": lookup_tool().input_schema }])
+    );
+    assert!(request.get("thinking").is_none());
+}
+
+#[tokio::test]
+async fn anthropic_invalid_tool_input_is_a_stream_error() {
+    let fake = FakeProvider::start(Wire::Anthropic).await;
+    let client = Anthropic(endpoint(&fake));
+    let broken = FakeToolCall::raw("toolu_bad", "lookup", r#"{"query": "unterminated"#);
+    fake.script([Reply::sse(anthropic_sse_tool_calls(&[], &[broken]), 4)]);
+    let turns = vec![Turn::text(MessageRole::User, "Look it up")];
+    let error = run(&client, model_request(turns, None)).await.unwrap_err();
+    match error {
+        ProviderError::Stream { code, message } => {
+            assert_eq!(code, "invalid_tool_input");
+            assert!(message.contains("toolu_bad"), "{message}");
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn anthropic_thinking_comes_out_with_its_signature_before_the_tool_call() {
+    let fake = FakeProvider::start(Wire::Anthropic).await;
+    let client = Anthropic(endpoint(&fake));
+    let call = FakeToolCall::new("toolu_t", "lookup", json!({ "query": "Zürich" }));
+    let thinking = ["Ich über", "lege… 🤔 ", "\"genau\""];
+    fake.script([Reply::sse(
+        anthropic_sse_thinking_tool_calls(&thinking, &["Moment."], std::slice::from_ref(&call)),
+        3,
+    )]);
+    let turns = vec![Turn::text(MessageRole::User, "Wetter?")];
+    let events = run(&client, model_request(turns, Some(1024)))
+        .await
+        .unwrap();
+    let shown: Vec<&ModelEvent> = events
+        .iter()
+        .filter(|e| !matches!(e, ModelEvent::Usage { .. }))
+        .collect();
+    let reasoning: String = shown
+        .iter()
+        .take_while(|e| matches!(e, ModelEvent::Reasoning(_)))
+        .map(|e| match e {
+            ModelEvent::Reasoning(t) => t.as_str(),
+            _ => unreachable!(),
+        })
+        .collect();
+    assert_eq!(reasoning, thinking.concat());
+    let rest: Vec<&ModelEvent> = shown
+        .iter()
+        .skip_while(|e| matches!(e, ModelEvent::Reasoning(_)))
+        .copied()
+        .collect();
+    assert_eq!(
+        rest,
+        [
+            &ModelEvent::ReasoningSignature(fake_signature(&thinking.concat())),
+            &ModelEvent::Text("Moment.".into()),
+            &ModelEvent::ToolCall {
+                id: "toolu_t".into(),
+                name: "lookup".into(),
+                input: json!({ "query": "Zürich" })
+            },
+            &ModelEvent::Finished {
+                stop_reason: "tool_use".into()
+            },
+        ]
+    );
+    let request = &fake.requests()[0];
+    assert_eq!(
+        request["thinking"],
+        json!({ "type": "enabled", "budget_tokens": 1024 })
+    );
+    // The agent's max_tokens (321) is room for the answer beyond the budget.
+    assert_eq!(request["max_tokens"], 1345);
+}
+
+fn signed(text: &str) -> Content {
+    Content::Reasoning {
+        text: text.into(),
+        signature: Some(fake_signature(text)),
+    }
+}
+
+fn tool_use(id: &str) -> Content {
+    Content::ToolUse {
+        id: id.into(),
+        name: "lookup".into(),
+        input: json!({ "query": id }),
+    }
+}
+
+fn tool_result(id: &str, is_error: bool) -> Content {
+    Content::ToolResult {
+        tool_use_id: id.into(),
+        output: format!("found {id}"),
+        is_error,
+    }
+}
+
+/// A history after a step that called two tools: `assistant` is the
+/// calling turn, `results` the results turn, then the person's next words.
+fn history(assistant: Vec<Content>, results: Vec<Content>) -> Vec<Turn> {
+    vec![
+        Turn::text(MessageRole::User, "Look two things up"),
+        Turn {
+            role: MessageRole::Assistant,
+            content: assistant,
+        },
+        Turn {
+            role: MessageRole::User,
+            content: results,
+        },
+        Turn::text(MessageRole::User, "And be quick"),
+    ]
+}
+
+fn refusal(result: Result<Vec<ModelEvent>, ProviderError>) -> String {
+    match result {
+        Err(ProviderError::Http {
+            status: 400,
+            code,
+            message,
+            ..
+        }) => {
+            assert_eq!(code, "invalid_request_error");
+            message
+        }
+        other => panic!("expected a 400 from the fake: {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn anthropic_follow_ups_with_tool_results_are_accepted_and_broken_ones_refused() {
+    let fake = FakeProvider::start(Wire::Anthropic).await;
+    let client = Anthropic(endpoint(&fake));
+    let calling = || {
+        vec![
+            signed("Two lookups."),
+            Content::Text("Looking.".into()),
+            tool_use("toolu_a"),
+            tool_use("toolu_b"),
+        ]
+    };
+    let answered = || vec![tool_result("toolu_a", false), tool_result("toolu_b", true)];
+
+    let events = run(
+        &client,
+        model_request(history(calling(), answered()), Some(1024)),
+    )
+    .await
+    .unwrap();
+    assert_eq!(text_of(&events), "Hello from the fake.");
+    let requests = fake.requests();
+    assert_eq!(requests.len(), 1);
+    let messages = requests[0]["messages"].as_array().unwrap();
+    assert_eq!(messages.len(), 3);
+    assert_eq!(
+        messages[1]["content"][0],
+        json!({ "type": "thinking", "thinking": "Two lookups.", "signature": fake_signature("Two lookups.") })
+    );
+    assert_eq!(
+        messages[2]["content"],
+        json!([
+            { "type": "tool_result", "tool_use_id": "toolu_a", "content": "found toolu_a", "is_error": false },
+            { "type": "tool_result", "tool_use_id": "toolu_b", "content": "found toolu_b", "is_error": true },
+            { "type": "text", "text": "And be quick" },
+        ])
+    );
+
+    // A call left without its result.
+    let message = refusal(
+        run(
+            &client,
+            model_request(
+                history(calling(), vec![tool_result("toolu_a", false)]),
+                Some(1024),
+            ),
+        )
+        .await,
+    );
+    assert_eq!(
+        message,
+        "messages.1: `tool_use` ids were found without `tool_result` blocks immediately after: toolu_b. Each `tool_use` block must have a corresponding `tool_result` block in the next message."
+    );
+
+    // A result for a call that was never made.
+    let message = refusal(
+        run(
+            &client,
+            model_request(
+                history(
+                    calling(),
+                    vec![
+                        tool_result("toolu_a", false),
+                        tool_result("toolu_b", false),
+                        tool_result("toolu_zz", false),
+                    ],
+                ),
+                None,
+            ),
+        )
+        .await,
+    );
+    assert!(
+        message.starts_with(
+            "messages.2.content.2: unexpected `tool_use_id` found in `tool_result` blocks: toolu_zz."
+        ),
+        "{message}"
+    );
+
+    // With thinking on, the calling turn must open with its thinking; an
+    // unsigned one cannot be sent, so the request is refused.
+    let unsigned = vec![
+        Content::Reasoning {
+            text: "Two lookups.".into(),
+            signature: None,
+        },
+        tool_use("toolu_a"),
+        tool_use("toolu_b"),
+    ];
+    let message = refusal(
+        run(
+            &client,
+            model_request(history(unsigned, answered()), Some(1024)),
+        )
+        .await,
+    );
+    assert!(
+        message.starts_with("messages.1.content.0.type: Expected `thinking` or `redacted_thinking`, but found `tool_use`."),
+        "{message}"
+    );
+
+    // Thinking sent back changed.
+    let mut tampered = calling();
+    tampered[0] = Content::Reasoning {
+        text: "Two lookups, edited.".into(),
+        signature: Some(fake_signature("Two lookups.")),
+    };
+    let message = refusal(
+        run(
+            &client,
+            model_request(history(tampered, answered()), Some(1024)),
+        )
+        .await,
+    );
+    assert_eq!(
+        message,
+        "messages.1.content.0: Invalid `signature` in `thinking` block"
+    );
+    assert_eq!(fake.requests().len(), 1, "refused requests get no reply");
+}
+
+#[tokio::test]
+async fn anthropic_blocks_builder_streams_text_thinking_and_calls_in_any_order() {
+    let fake = FakeProvider::start(Wire::Anthropic).await;
+    let client = Anthropic(endpoint(&fake));
+    let call = FakeToolCall::new("toolu_x", "lookup", json!({ "query": "x" }));
+    fake.script([Reply::sse(
+        anthropic_sse_blocks(
+            &[
+                AnthropicBlock::thinking(&["a"]),
+                AnthropicBlock::ToolUse(call.clone()),
+                AnthropicBlock::thinking(&["b"]),
+                AnthropicBlock::text(&["done"]),
+            ],
+            "end_turn",
+            42,
+            7,
+        ),
+        11,
+    )]);
+    let turns = vec![Turn::text(MessageRole::User, "go")];
+    let events = run(&client, model_request(turns, Some(2048)))
+        .await
+        .unwrap();
+    let shown: Vec<ModelEvent> = events
+        .into_iter()
+        .filter(|e| !matches!(e, ModelEvent::Usage { .. }))
+        .collect();
+    assert_eq!(
+        shown,
+        [
+            ModelEvent::Reasoning("a".into()),
+            ModelEvent::ReasoningSignature(fake_signature("a")),
+            ModelEvent::ToolCall {
+                id: "toolu_x".into(),
+                name: "lookup".into(),
+                input: call.input()
+            },
+            ModelEvent::Reasoning("b".into()),
+            ModelEvent::ReasoningSignature(fake_signature("b")),
+            ModelEvent::Text("done".into()),
+            ModelEvent::Finished {
+                stop_reason: "end_turn".into()
+            },
+        ]
+    );
+}
+
+#[tokio::test]
+async fn openai_tool_calls_split_across_chunks_come_out_whole() {
+    let fake = FakeProvider::start(Wire::OpenAi).await;
+    let client = OpenAi(endpoint(&fake));
+    let calls = awkward_calls("call_");
+    let mut expected = expected_calls(&calls[..2]);
+    expected.push(("call_3".into(), "lookup".into(), json!({})));
+    for chunk_bytes in [1, 2, 3, 5, 7, 64] {
+        fake.script([Reply::sse(
+            openai_sse_tool_calls(&["Prüfe ", "kurz… ✓"], &calls),
+            chunk_bytes,
+        )]);
+        let turns = vec![Turn::text(MessageRole::User, "Look it up")];
+        let events = run(&client, model_request(turns, None)).await.unwrap();
+        assert_eq!(text_of(&events), "Prüfe kurz… ✓", "{chunk_bytes}");
+        assert_eq!(calls_of(&events), expected, "{chunk_bytes}");
+        assert_eq!(
+            events.last(),
+            Some(&ModelEvent::Finished {
+                stop_reason: "tool_calls".into()
+            })
+        );
+        assert!(events.contains(&ModelEvent::Usage {
+            input_tokens: 10,
+            output_tokens: 5
+        }));
+    }
+    // Without text the stream still carries only the calls.
+    fake.script([Reply::sse(openai_sse_tool_calls(&[], &calls[..1]), 3)]);
+    let turns = vec![Turn::text(MessageRole::User, "Look it up")];
+    let events = run(&client, model_request(turns, None)).await.unwrap();
+    assert_eq!(text_of(&events), "");
+    assert_eq!(calls_of(&events), expected[..1]);
+
+    let request = &fake.requests()[0];
+    assert_eq!(
+        request["tools"],
+        json!([{ "type": "function", "function": {
+            "name": "lookup", "description": "Looks things up",
+            "parameters": lookup_tool().input_schema } }])
+    );
+}
+
+#[tokio::test]
+async fn openai_follow_ups_with_tool_messages_are_accepted_and_broken_ones_refused() {
+    let fake = FakeProvider::start(Wire::OpenAi).await;
+    let client = OpenAi(endpoint(&fake));
+    let calling = || {
+        vec![
+            Content::Reasoning {
+                text: "never sent".into(),
+                signature: None,
+            },
+            tool_use("call_a"),
+            tool_use("call_b"),
+        ]
+    };
+    let answered = || vec![tool_result("call_a", false), tool_result("call_b", true)];
+
+    let events = run(&client, model_request(history(calling(), answered()), None))
+        .await
+        .unwrap();
+    assert_eq!(text_of(&events), "Hello from the fake.");
+    let requests = fake.requests();
+    assert_eq!(requests.len(), 1);
+    let messages = requests[0]["messages"].as_array().unwrap();
+    let roles: Vec<&str> = messages
+        .iter()
+        .map(|m| m["role"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        roles,
+        ["system", "user", "assistant", "tool", "tool", "user"]
+    );
+    assert_eq!(messages[2]["content"], Value::Null);
+    assert_eq!(
+        messages[2]["tool_calls"][0],
+        json!({ "id": "call_a", "type": "function",
+                "function": { "name": "lookup", "arguments": "{\"query\":\"call_a\"}" } })
+    );
+    assert_eq!(
+        messages[4],
+        json!({ "role": "tool", "tool_call_id": "call_b", "content": "found call_b" })
+    );
+
+    // A call left without its answer.
+    let message = refusal(
+        run(
+            &client,
+            model_request(history(calling(), vec![tool_result("call_a", false)]), None),
+        )
+        .await,
+    );
+    assert_eq!(
+        message,
+        "An assistant message with 'tool_calls' must be followed by tool messages responding to each 'tool_call_id'. The following tool_call_ids did not have response messages: call_b"
+    );
+
+    // An answer to a call that was never made.
+    let message = refusal(
+        run(
+            &client,
+            model_request(
+                history(
+                    calling(),
+                    vec![
+                        tool_result("call_a", false),
+                        tool_result("call_b", false),
+                        tool_result("call_zz", false),
+                    ],
+                ),
+                None,
+            ),
+        )
+        .await,
+    );
+    assert_eq!(
+        message,
+        "Invalid parameter: 'tool_call_id' of 'call_zz' not found in 'tool_calls' of previous message."
+    );
+
+    // An answer with no call before it at all.
+    let turns = vec![
+        Turn::text(MessageRole::User, "hi"),
+        Turn {
+            role: MessageRole::User,
+            content: vec![tool_result("call_a", false)],
+        },
+    ];
+    let message = refusal(run(&client, model_request(turns, None)).await);
+    assert_eq!(
+        message,
+        "Invalid parameter: messages with role 'tool' must be a response to a preceeding message with 'tool_calls'."
+    );
+    assert_eq!(fake.requests().len(), 1, "refused requests get no reply");
 }
