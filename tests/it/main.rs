@@ -10,6 +10,7 @@ mod downstream;
 mod fakes;
 mod input_limits;
 mod instances;
+mod provider_tools;
 mod providers;
 mod retries;
 mod runs;

@@ -341,7 +341,8 @@ async fn token_and_cost_ceilings_end_runs_with_their_cause() {
 }
 
 #[tokio::test]
-async fn thinking_streams_into_a_reasoning_part_before_the_text_and_stays_out_of_the_history() {
+async fn thinking_streams_into_a_reasoning_part_before_the_text_and_goes_back_signed_and_unchanged()
+{
     let fake = FakeProvider::start(Wire::Anthropic).await;
     fake.script([
         stream(
@@ -376,20 +377,25 @@ async fn thinking_streams_into_a_reasoning_part_before_the_text_and_stays_out_of
             ("TEXT", "DONE", "The answer.")
         ]
     );
-    // The next request carries the reply, not the reasoning.
+    // The next request carries the thinking block as it came, with its
+    // signature (the fake checks it), before the reply.
     let (_, second) = server.send(&token, &conversation, "And?").await;
     assert_eq!(
         server.wait_until_ended(&token, &second).await["status"],
         "COMPLETED"
     );
     let request = &fake.requests()[1];
-    let texts: Vec<&str> = request["messages"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|m| m["content"][0]["text"].as_str().unwrap())
-        .collect();
-    assert_eq!(texts, ["Why?", "The answer.", "And?"]);
+    let messages = request["messages"].as_array().unwrap();
+    assert_eq!(messages.len(), 3, "{request}");
+    assert_eq!(messages[0]["content"][0]["text"], "Why?");
+    assert_eq!(
+        messages[1]["content"],
+        json!([
+            { "type": "thinking", "thinking": "Let me think.", "signature": fake_signature("Let me think.") },
+            { "type": "text", "text": "The answer." }
+        ])
+    );
+    assert_eq!(messages[2]["content"][0]["text"], "And?");
 }
 
 #[tokio::test]

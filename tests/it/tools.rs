@@ -8,7 +8,7 @@ use crate::downstream::Downstream;
 use crate::support::{Server, of_type};
 
 /// Every test tool: (name, recovery, downstream path).
-const TOOLS: &[(&str, &str, &str)] = &[
+pub const TOOLS: &[(&str, &str, &str)] = &[
     ("effect", "idempotent", "effect"),
     ("once", "never_replay", "effect"),
     ("fail", "idempotent", "fail"),
@@ -35,6 +35,13 @@ pub fn config(downstream: &Downstream, runtime: &str, agents: &[(&str, &str)]) -
             names.join(", ")
         ));
     }
+    text.push_str(&tool_sections(downstream));
+    text
+}
+
+/// The `[[tools]]` of every test tool, calling `downstream`.
+pub fn tool_sections(downstream: &Downstream) -> String {
+    let mut text = String::new();
     for (name, recovery, path) in TOOLS {
         text.push_str(&format!(
             "\n[[tools]]\nname = {name:?}\ndescription = \"A test tool\"\ninput_schema = {{ type = \"object\", properties = {{ text = {{ type = \"string\" }} }}, required = [\"text\"], additionalProperties = false }}\nrecovery = {recovery:?}\nhttp = {{ url = \"{}/{path}\", timeout_secs = 30 }}\n",

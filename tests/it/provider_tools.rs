@@ -1,0 +1,255 @@
+//! Tool calls through the real provider wires: the fakes stream tool calls
+//! the way Anthropic and OpenAI do, and refuse a follow-up whose history
+//! pairs calls and results wrongly, so a completed run proves the history
+//! Tether rebuilt from committed facts was valid.
+
+use serde_json::{Value, json};
+
+use crate::downstream::Downstream;
+use crate::fakes::{
+    FakeProvider, FakeToolCall, KEY, Reply, Wire, anthropic_sse, anthropic_sse_thinking_tool_calls,
+    fake_signature, openai_sse, openai_sse_tool_calls,
+};
+use crate::support::{Server, ServerOptions};
+use crate::tools::{tool_calls, tool_sections};
+
+/// A server whose agent `model` talks to the fake and offers `tools`.
+async fn server(
+    fake: &FakeProvider,
+    provider: &str,
+    downstream: &Downstream,
+    agent_keys: &str,
+    runtime: &str,
+) -> Server {
+    let config = format!(
+        r#"
+[runtime]
+checkpoint_ms = 40
+poll_ms = 100
+{runtime}
+
+[[agents]]
+name = "model"
+provider = "{provider}"
+model = "fake-model"
+base_url = "{base}"
+api_key_env = "TETHER_TEST_PROVIDER_KEY"
+idle_timeout_secs = 5
+tools = ["fail", "slow", "effect", "hang"]
+{agent_keys}
+{tools}
+"#,
+        base = fake.base_url,
+        tools = tool_sections(downstream),
+    );
+    Server::start_with(ServerOptions {
+        config,
+        env: vec![("TETHER_TEST_PROVIDER_KEY".into(), KEY.into())],
+        role: "all",
+    })
+    .await
+}
+
+fn three_calls() -> Vec<FakeToolCall> {
+    vec![
+        FakeToolCall::new("call_1", "fail", json!({ "text": "a" })),
+        FakeToolCall::new("call_2", "slow", json!({ "text": "b" })),
+        FakeToolCall::new("call_3", "effect", json!({ "text": "ç" })),
+    ]
+}
+
+async fn run_once(server: &Server, text: &str) -> (String, String, Value) {
+    let token = server.token("acme", "ada");
+    let conversation = server.create_conversation(&token).await;
+    let (_, run) = server.send(&token, &conversation, text).await;
+    let ended = server.wait_until_ended(&token, &run).await;
+    (token, run, ended)
+}
+
+#[tokio::test]
+async fn anthropic_gets_signed_thinking_then_the_calls_then_exactly_three_results_in_order() {
+    let fake = FakeProvider::start(Wire::Anthropic).await;
+    fake.script([
+        Reply::sse(
+            anthropic_sse_thinking_tool_calls(&["Three ", "tools."], &["Calling."], &three_calls()),
+            5,
+        ),
+        Reply::sse(anthropic_sse(&["All done."], 10, 5), 64),
+    ]);
+    let downstream = Downstream::start().await;
+    downstream.slow_until(3);
+    let keys = "thinking_budget_tokens = 1024\nmax_tokens = 2048";
+    let server = server(&fake, "anthropic", &downstream, keys, "").await;
+    let (token, run, ended) = run_once(&server, "Go.").await;
+    assert_eq!(
+        ended["status"],
+        "COMPLETED",
+        "{ended} {:?}",
+        fake.requests()
+    );
+
+    let requests = fake.requests();
+    assert_eq!(requests.len(), 2);
+    let offered: Vec<&str> = requests[0]["tools"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(offered, ["fail", "slow", "effect", "hang"]);
+    assert_eq!(requests[0]["thinking"]["budget_tokens"], 1024);
+
+    let messages = requests[1]["messages"].as_array().unwrap();
+    assert_eq!(messages.len(), 3, "{messages:?}");
+    let said = messages[1]["content"].as_array().unwrap();
+    assert_eq!(
+        said[0],
+        json!({ "type": "thinking", "thinking": "Three tools.", "signature": fake_signature("Three tools.") })
+    );
+    assert_eq!(said[1], json!({ "type": "text", "text": "Calling." }));
+    let used: Vec<(&str, &Value)> = said[2..]
+        .iter()
+        .map(|b| (b["id"].as_str().unwrap(), &b["input"]))
+        .collect();
+    assert_eq!(
+        used,
+        [
+            ("call_1", &json!({ "text": "a" })),
+            ("call_2", &json!({ "text": "b" })),
+            ("call_3", &json!({ "text": "ç" }))
+        ]
+    );
+    let results = messages[2]["content"].as_array().unwrap();
+    let answered: Vec<(&str, bool)> = results
+        .iter()
+        .map(|b| {
+            assert_eq!(b["type"], "tool_result");
+            (
+                b["tool_use_id"].as_str().unwrap(),
+                b["is_error"].as_bool().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        answered,
+        [("call_1", true), ("call_2", false), ("call_3", false)]
+    );
+    let effect: Value = serde_json::from_str(results[2]["content"].as_str().unwrap()).unwrap();
+    assert_eq!(effect["done"], json!({ "text": "ç" }));
+
+    let calls = tool_calls(&server, &token, &run).await;
+    assert_eq!(calls.len(), 3);
+}
+
+#[tokio::test]
+async fn openai_gets_the_calls_then_one_tool_message_per_call_in_order() {
+    let fake = FakeProvider::start(Wire::OpenAi).await;
+    fake.script([
+        Reply::sse(openai_sse_tool_calls(&[], &three_calls()), 3),
+        Reply::sse(openai_sse(&["All done."], 10, 5), 64),
+    ]);
+    let downstream = Downstream::start().await;
+    downstream.slow_until(3);
+    let server = server(&fake, "openai", &downstream, "", "").await;
+    let (_, _, ended) = run_once(&server, "Go.").await;
+    assert_eq!(
+        ended["status"],
+        "COMPLETED",
+        "{ended} {:?}",
+        fake.requests()
+    );
+
+    let requests = fake.requests();
+    assert_eq!(requests[0]["tools"][2]["function"]["name"], "effect");
+    let messages = requests[1]["messages"].as_array().unwrap();
+    let roles: Vec<&str> = messages
+        .iter()
+        .map(|m| m["role"].as_str().unwrap())
+        .collect();
+    assert_eq!(roles, ["user", "assistant", "tool", "tool", "tool"]);
+    let ids: Vec<&str> = messages[1]["tool_calls"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["call_1", "call_2", "call_3"]);
+    let answered: Vec<&str> = messages[2..]
+        .iter()
+        .map(|m| m["tool_call_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(answered, ["call_1", "call_2", "call_3"]);
+}
+
+#[tokio::test]
+async fn calls_cut_off_by_a_cancel_still_have_their_results_in_the_next_runs_history() {
+    let fake = FakeProvider::start(Wire::Anthropic).await;
+    fake.script([
+        Reply::sse(
+            anthropic_sse_thinking_tool_calls(
+                &[],
+                &["Calling."],
+                &[
+                    FakeToolCall::new("call_h", "hang", json!({ "text": "a" })),
+                    FakeToolCall::new("call_e", "effect", json!({ "text": "b" })),
+                ],
+            ),
+            64,
+        ),
+        Reply::sse(anthropic_sse(&["Sorry about that."], 10, 5), 64),
+    ]);
+    let downstream = Downstream::start().await;
+    let server = server(&fake, "anthropic", &downstream, "", "tool_concurrency = 1").await;
+    let token = server.token("acme", "ada");
+    let conversation = server.create_conversation(&token).await;
+    let (_, run) = server.send(&token, &conversation, "Go.").await;
+    downstream
+        .wait_for("the hanging request", |d| d.requests().len() == 1)
+        .await;
+    server
+        .gql(
+            &token,
+            "mutation($r: ID!) { cancelRun(runId: $r) { id } }",
+            json!({ "r": run }),
+        )
+        .await;
+    assert_eq!(
+        server.wait_until_ended(&token, &run).await["status"],
+        "CANCELLED"
+    );
+    let (_, next) = server.send(&token, &conversation, "What happened?").await;
+    let ended = server.wait_until_ended(&token, &next).await;
+    assert_eq!(
+        ended["status"],
+        "COMPLETED",
+        "{ended} {:?}",
+        fake.requests()
+    );
+    let messages = fake.requests()[1]["messages"].as_array().unwrap().clone();
+    // user, assistant (text + 2 tool_use), user (2 results + the new text).
+    assert_eq!(messages.len(), 3, "{messages:?}");
+    let answer = messages[2]["content"].as_array().unwrap();
+    let results: Vec<(&str, bool)> = answer[..2]
+        .iter()
+        .map(|b| {
+            (
+                b["tool_use_id"].as_str().unwrap(),
+                b["is_error"].as_bool().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(results, [("call_h", true), ("call_e", true)]);
+    assert!(
+        answer[0]["content"]
+            .as_str()
+            .unwrap()
+            .contains("interrupted")
+    );
+    assert!(
+        answer[1]["content"]
+            .as_str()
+            .unwrap()
+            .contains("not started")
+    );
+    assert_eq!(answer[2]["text"], "What happened?");
+}
