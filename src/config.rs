@@ -593,6 +593,10 @@ impl FileConfig {
             {
                 return Err(invalid(format!("{key}.base_url"), "must be an http(s) URL"));
             }
+            if let Some(budget) = agent.thinking_budget_tokens {
+                // Anthropic's minimum for extended thinking.
+                at_least(&format!("{key}.thinking_budget_tokens"), budget, 1024)?;
+            }
             for (j, tool) in agent.tools.iter().enumerate() {
                 if !tool_names.contains(tool) {
                     return Err(invalid(

@@ -140,6 +140,31 @@ mod tests {
     }
 
     #[test]
+    fn the_cut_never_falls_inside_a_message_so_calls_keep_their_results() {
+        let context = ContextConfig {
+            budget_tokens: 10,
+            keep_recent_messages: 2,
+        };
+        // A user message, then one reply of three turns (a step with a
+        // tool call, its results, the answer), then the next user message.
+        let mut history = history(&[400, 400, 400, 400, 400]);
+        let reply = Some(Uuid::from_u128(2));
+        history.sources = vec![
+            Some(Uuid::from_u128(1)),
+            reply,
+            reply,
+            reply,
+            Some(Uuid::from_u128(5)),
+        ];
+        // Keeping two turns would cut between the results and the answer:
+        // the whole reply stays instead.
+        let plan = plan(&history, None, &context).unwrap();
+        assert_eq!(plan.turns, 1);
+        assert_eq!(plan.through, Uuid::from_u128(1));
+        assert_eq!(plan.messages, 1);
+    }
+
+    #[test]
     fn nothing_to_compact_when_every_turn_is_recent() {
         let context = ContextConfig {
             budget_tokens: 10,

@@ -7,24 +7,25 @@ use serde_json::{Value, json};
 use crate::downstream::Downstream;
 use crate::support::{Server, of_type};
 
-/// Every test tool: (name, recovery, downstream path).
-pub const TOOLS: &[(&str, &str, &str)] = &[
-    ("effect", "idempotent", "effect"),
-    ("once", "never_replay", "effect"),
-    ("fail", "idempotent", "fail"),
-    ("unavailable", "never_replay", "unavailable"),
-    ("flaky", "idempotent", "flaky"),
-    ("big", "idempotent", "big"),
-    ("hang", "idempotent", "hang"),
-    ("slow", "idempotent", "slow"),
-    ("held", "idempotent", "held"),
-    ("held_once", "never_replay", "held"),
+/// Every test tool: (name, recovery, downstream path, timeout in seconds).
+pub const TOOLS: &[(&str, &str, &str, u64)] = &[
+    ("effect", "idempotent", "effect", 30),
+    ("once", "never_replay", "effect", 30),
+    ("fail", "idempotent", "fail", 30),
+    ("unavailable", "never_replay", "unavailable", 30),
+    ("flaky", "idempotent", "flaky", 30),
+    ("big", "idempotent", "big", 30),
+    ("hang", "idempotent", "hang", 30),
+    ("slow", "idempotent", "slow", 30),
+    ("held", "idempotent", "held", 30),
+    ("held_once", "never_replay", "held", 30),
+    ("hang_briefly", "never_replay", "hang", 1),
 ];
 
 /// Agents on the scripted model with every test tool; `extra` is added to
 /// each agent (limits, stop conditions). `runtime` goes in `[runtime]`.
 pub fn config(downstream: &Downstream, runtime: &str, agents: &[(&str, &str)]) -> String {
-    let names: Vec<String> = TOOLS.iter().map(|(n, _, _)| format!("{n:?}")).collect();
+    let names: Vec<String> = TOOLS.iter().map(|(n, ..)| format!("{n:?}")).collect();
     let mut text = format!(
         "default_agent = {:?}\n\n[runtime]\nlease_secs = 3\nheartbeat_secs = 0.5\ncheckpoint_ms = 40\npoll_ms = 200\n{runtime}\n",
         agents[0].0
@@ -42,9 +43,9 @@ pub fn config(downstream: &Downstream, runtime: &str, agents: &[(&str, &str)]) -
 /// The `[[tools]]` of every test tool, calling `downstream`.
 pub fn tool_sections(downstream: &Downstream) -> String {
     let mut text = String::new();
-    for (name, recovery, path) in TOOLS {
+    for (name, recovery, path, timeout) in TOOLS {
         text.push_str(&format!(
-            "\n[[tools]]\nname = {name:?}\ndescription = \"A test tool\"\ninput_schema = {{ type = \"object\", properties = {{ text = {{ type = \"string\" }} }}, required = [\"text\"], additionalProperties = false }}\nrecovery = {recovery:?}\nhttp = {{ url = \"{}/{path}\", timeout_secs = 30 }}\n",
+            "\n[[tools]]\nname = {name:?}\ndescription = \"A test tool\"\ninput_schema = {{ type = \"object\", properties = {{ text = {{ type = \"string\" }} }}, required = [\"text\"], additionalProperties = false }}\nrecovery = {recovery:?}\nhttp = {{ url = \"{}/{path}\", timeout_secs = {timeout} }}\n",
             downstream.base
         ));
     }
@@ -236,6 +237,29 @@ async fn transient_failures_retry_idempotent_tools_with_the_same_key_and_never_r
     );
     let note = calls[1]["output"]["note"].as_str().unwrap();
     assert!(note.contains("check before repeating"), "{note}");
+}
+
+#[tokio::test]
+async fn a_call_that_outlives_its_timeout_is_abandoned_and_never_resent() {
+    let downstream = Downstream::start().await;
+    let server = Server::start_workers(&config(&downstream, "", &[("tools", "")])).await;
+    let token = server.token("acme", "ada");
+    let (_, run, ended) = run_to_end(
+        &server,
+        &token,
+        "tools",
+        "/tool hang_briefly {\"text\": \"a\"}",
+    )
+    .await;
+    assert_eq!(ended["status"], "COMPLETED", "{ended}");
+    let calls = tool_calls(&server, &token, &run).await;
+    assert_eq!(field(&calls, "outcome"), ["UNKNOWN"]);
+    let error = calls[0]["output"]["error"].as_str().unwrap();
+    assert!(error.contains("network error"), "{error}");
+    downstream
+        .wait_for("the client giving up", |d| d.closed() == 1)
+        .await;
+    assert_eq!(downstream.requests().len(), 1);
 }
 
 #[tokio::test]
