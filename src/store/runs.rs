@@ -167,23 +167,7 @@ pub async fn begin(store: &Store, lease: &Lease) -> Result<Begun> {
     let part = if batch_pending {
         None
     } else {
-        let part = insert_part(
-            &tx,
-            &row,
-            message_id,
-            index,
-            PartKind::Text,
-            PartState::Streaming,
-            "",
-        )
-        .await?;
-        events.push(part_event(EventKind::PartAdded, &row, &part, Some(0))?);
-        Some(OpenPart {
-            id: part.id,
-            message_id,
-            index: part.idx,
-            kind: PartKind::Text,
-        })
+        Some(open_text_part(&tx, &row, message_id, index, &mut events).await?)
     };
     events.extend(NewEvent::run_status(row.id, RunStatus::Running));
     tx.append(&conversation, events).await?;
@@ -225,9 +209,23 @@ pub async fn end_step(store: &Store, lease: &Lease, usage: Usage) -> Result<(Ope
     active.cost_usd = Set(usage.cost_usd);
     let row = active.update(&*tx).await?;
     let index = next_index(&tx, message_id).await?;
+    let opened = open_text_part(&tx, &row, message_id, index, &mut events).await?;
+    tx.append(&conversation, events).await?;
+    let committed = store.commit(tx).await?;
+    Ok((opened, committed.last().map_or(Cursor::START, |e| e.cursor)))
+}
+
+/// Opens the empty streaming text part a step's inference writes into.
+async fn open_text_part(
+    tx: &WriteTx,
+    row: &run::Model,
+    message_id: Uuid,
+    index: i32,
+    events: &mut Vec<NewEvent>,
+) -> Result<OpenPart> {
     let part = insert_part(
-        &tx,
-        &row,
+        tx,
+        row,
         message_id,
         index,
         PartKind::Text,
@@ -235,16 +233,13 @@ pub async fn end_step(store: &Store, lease: &Lease, usage: Usage) -> Result<(Ope
         "",
     )
     .await?;
-    events.push(part_event(EventKind::PartAdded, &row, &part, Some(0))?);
-    tx.append(&conversation, events).await?;
-    let committed = store.commit(tx).await?;
-    let opened = OpenPart {
+    events.push(part_event(EventKind::PartAdded, row, &part, Some(0))?);
+    Ok(OpenPart {
         id: part.id,
         message_id,
         index,
         kind: PartKind::Text,
-    };
-    Ok((opened, committed.last().map_or(Cursor::START, |e| e.cursor)))
+    })
 }
 
 /// The run's assistant message (made by its first `begin`).

@@ -206,13 +206,7 @@ async fn calls_cut_off_by_a_cancel_still_have_their_results_in_the_next_runs_his
     downstream
         .wait_for("the hanging request", |d| d.requests().len() == 1)
         .await;
-    server
-        .gql(
-            &token,
-            "mutation($r: ID!) { cancelRun(runId: $r) { id } }",
-            json!({ "r": run }),
-        )
-        .await;
+    server.cancel(&token, &run).await;
     assert_eq!(
         server.wait_until_ended(&token, &run).await["status"],
         "CANCELLED"

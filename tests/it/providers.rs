@@ -264,13 +264,7 @@ async fn cancelling_mid_stream_closes_the_connection_to_the_provider() {
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    server
-        .gql(
-            &token,
-            "mutation($r: ID!) { cancelRun(runId: $r) { status } }",
-            json!({ "r": run }),
-        )
-        .await;
+    server.cancel(&token, &run).await;
     assert_eq!(
         server.wait_until_ended(&token, &run).await["status"],
         "CANCELLED"

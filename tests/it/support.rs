@@ -426,6 +426,17 @@ impl Server {
         )
     }
 
+    /// `cancelRun`; returns the run as the mutation answered.
+    pub async fn cancel(&self, token: &str, run: &str) -> Value {
+        self.gql(
+            token,
+            "mutation($r: ID!) { cancelRun(runId: $r) { id status endCause cancelRequested } }",
+            json!({ "r": run }),
+        )
+        .await["cancelRun"]
+            .clone()
+    }
+
     /// Polls a run until `done` holds for it; returns the run.
     pub async fn wait_for_run(
         &self,
