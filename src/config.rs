@@ -106,6 +106,31 @@ pub struct PolicyConfig {
     pub tenants: Vec<TenantPolicy>,
 }
 
+/// The policy one tenant gets: the defaults with its overrides.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TenantRules {
+    pub allow_always: bool,
+    pub approval_ttl_secs: u64,
+    pub question_ttl_secs: u64,
+}
+
+impl PolicyConfig {
+    pub fn for_tenant(&self, tenant: &str) -> TenantRules {
+        let custom = self.tenants.iter().find(|t| t.tenant == tenant);
+        TenantRules {
+            allow_always: custom
+                .and_then(|t| t.allow_always)
+                .unwrap_or(self.allow_always),
+            approval_ttl_secs: custom
+                .and_then(|t| t.approval_ttl_secs)
+                .unwrap_or(self.approval_ttl_secs),
+            question_ttl_secs: custom
+                .and_then(|t| t.question_ttl_secs)
+                .unwrap_or(self.question_ttl_secs),
+        }
+    }
+}
+
 impl Default for PolicyConfig {
     fn default() -> Self {
         PolicyConfig {

@@ -9,6 +9,7 @@ mod m0001_initial;
 mod m0002_runtime;
 mod m0003_summaries;
 mod m0004_tool_calls;
+mod m0005_interactions;
 mod shape;
 
 pub struct Migrator;
@@ -21,6 +22,7 @@ impl MigratorTrait for Migrator {
             Box::new(m0002_runtime::Migration),
             Box::new(m0003_summaries::Migration),
             Box::new(m0004_tool_calls::Migration),
+            Box::new(m0005_interactions::Migration),
         ]
     }
 }

@@ -67,6 +67,8 @@ impl From<store::Error> for ApiError {
         match err {
             store::Error::NotFound => ApiError::NotFound,
             store::Error::Conflict(message) => ApiError::Conflict(message),
+            store::Error::Invalid { key, message } => ApiError::BadInput { key, message },
+            store::Error::Forbidden(message) => ApiError::Forbidden(message),
             err @ (store::Error::Database(_) | store::Error::Corrupt(_) | store::Error::Fenced) => {
                 tracing::error!(error = %err, "store failure");
                 ApiError::Internal

@@ -4,7 +4,9 @@ use super::context::{services, viewer};
 use super::error::{ApiError, ApiResult};
 use super::types::{Conversation, Message, Run, parse_id};
 use crate::domain::ActiveRunStrategy;
+use crate::domain::interaction::{Answer, ApprovalDecision};
 use crate::store::commands::{self, Actor, NewConversation, NewMessage};
+use crate::store::interactions::{self, Resolution};
 
 pub struct Mutation;
 
@@ -144,4 +146,77 @@ impl Mutation {
         let row = commands::cancel_run(&services(ctx).store, &actor(ctx)?, run_id).await?;
         Ok(Run(row))
     }
+
+    /// Answers a run's questions; `resumed` is true exactly once.
+    async fn answer_question(
+        &self,
+        ctx: &Context<'_>,
+        input: AnswerQuestionInput,
+    ) -> ApiResult<ResumePayload> {
+        let answers = input
+            .answers
+            .into_iter()
+            .map(|a| Answer {
+                key: a.key,
+                values: a.values,
+                other: a.other,
+            })
+            .collect();
+        resolve(ctx, &input.interaction_id, Resolution::Answers(answers)).await
+    }
+
+    /// Decides on a gated tool call; `resumed` is true exactly once.
+    async fn decide_approval(
+        &self,
+        ctx: &Context<'_>,
+        input: DecideApprovalInput,
+    ) -> ApiResult<ResumePayload> {
+        let tenant = &viewer(ctx)?.tenant;
+        let allow_always = services(ctx).config.policy.for_tenant(tenant).allow_always;
+        let resolution = Resolution::Decision {
+            decision: input.decision,
+            allow_always,
+        };
+        resolve(ctx, &input.interaction_id, resolution).await
+    }
+}
+
+async fn resolve(
+    ctx: &Context<'_>,
+    interaction_id: &ID,
+    resolution: Resolution,
+) -> ApiResult<ResumePayload> {
+    let id = parse_id(interaction_id).ok_or(ApiError::NotFound)?;
+    let (run, resumed) =
+        interactions::resolve(&services(ctx).store, &actor(ctx)?, id, resolution).await?;
+    Ok(ResumePayload {
+        run: Run(run),
+        resumed,
+    })
+}
+
+#[derive(InputObject)]
+pub struct AnswerQuestionInput {
+    interaction_id: ID,
+    answers: Vec<QuestionAnswerInput>,
+}
+
+#[derive(InputObject)]
+pub struct QuestionAnswerInput {
+    key: String,
+    values: Vec<String>,
+    other: Option<String>,
+}
+
+#[derive(InputObject)]
+pub struct DecideApprovalInput {
+    interaction_id: ID,
+    decision: ApprovalDecision,
+}
+
+#[derive(SimpleObject)]
+pub struct ResumePayload {
+    run: Run,
+    /// True for the one call that resumed the run from this interaction.
+    resumed: bool,
 }

@@ -3,8 +3,12 @@ use async_graphql::{Context, ID, Object, SimpleObject};
 use super::context::{services, snapshot, viewer};
 use super::error::{ApiError, ApiResult};
 use super::events::{EventPage, TransportEvent};
-use super::types::{Conversation, ConversationConnection, Message, Part, Run, parse_id, to_id};
+use super::types::{
+    Conversation, ConversationConnection, Interaction, Message, Part, PendingApproval,
+    PendingQuestion, Run, parse_id, to_id,
+};
 use crate::domain::cursor::Cursor;
+use crate::domain::interaction::{InteractionKind, InteractionStatus};
 use crate::store::reads;
 
 pub struct Query;
@@ -117,6 +121,34 @@ impl Query {
         Ok(row.map(Run))
     }
 
+    /// The run's pending questions; null once resolved.
+    async fn pending_question(
+        &self,
+        ctx: &Context<'_>,
+        run_id: ID,
+    ) -> ApiResult<Option<PendingQuestion>> {
+        let pending = pending(ctx, &run_id, InteractionKind::Question).await?;
+        Ok(pending.into_iter().next().map(PendingQuestion))
+    }
+
+    /// The earliest pending approval of the run; null when none.
+    async fn pending_approval(
+        &self,
+        ctx: &Context<'_>,
+        run_id: ID,
+    ) -> ApiResult<Option<PendingApproval>> {
+        Ok(approvals(ctx, &run_id).await?.into_iter().next())
+    }
+
+    /// Every pending approval of the run, in batch order.
+    async fn pending_approvals(
+        &self,
+        ctx: &Context<'_>,
+        run_id: ID,
+    ) -> ApiResult<Vec<PendingApproval>> {
+        approvals(ctx, &run_id).await
+    }
+
     /// Persisted events of a conversation after `after` (from the first
     /// event without it), oldest first.
     async fn events(
@@ -160,4 +192,38 @@ impl Query {
             has_more,
         })
     }
+}
+
+/// A run's pending interactions of one kind, in the order they were asked.
+async fn pending(
+    ctx: &Context<'_>,
+    run_id: &ID,
+    kind: InteractionKind,
+) -> ApiResult<Vec<Interaction>> {
+    let Some(run_id) = parse_id(run_id) else {
+        return Ok(Vec::new());
+    };
+    let db = snapshot(ctx).await?;
+    let rows = reads::interactions_of_run(
+        &*db,
+        &viewer(ctx)?.tenant,
+        run_id,
+        kind.as_str(),
+        InteractionStatus::Pending.as_str(),
+    )
+    .await?;
+    Ok(rows.into_iter().map(Interaction).collect())
+}
+
+async fn approvals(ctx: &Context<'_>, run_id: &ID) -> ApiResult<Vec<PendingApproval>> {
+    let tenant = &viewer(ctx)?.tenant;
+    let allow_always = services(ctx).config.policy.for_tenant(tenant).allow_always;
+    let pending = pending(ctx, run_id, InteractionKind::Approval).await?;
+    Ok(pending
+        .into_iter()
+        .map(|interaction| PendingApproval {
+            interaction,
+            allow_always,
+        })
+        .collect())
 }

@@ -6,11 +6,13 @@ use uuid::Uuid;
 use super::context::{snapshot, viewer};
 use super::error::{ApiError, ApiResult};
 use crate::domain::cursor::Cursor;
+use crate::domain::interaction::{Answer, ApprovalDecision, InteractionStatus, QuestionSpec};
 use crate::domain::run::{EndCause, RunError, RunStatus, Usage};
 use crate::domain::time::{Millis, from_rfc3339, to_rfc3339};
 use crate::domain::tool_call::{ToolCallStatus, ToolOutcome};
 use crate::domain::{MessageRole, PartKind, PartState};
-use crate::store::entities::{conversation, message, part, run, tool_call};
+use crate::store::entities::{conversation, interaction, message, part, run, tool_call};
+use crate::store::interactions::{self, ApprovalRequest};
 use crate::store::{parse_stored, reads};
 
 /// RFC 3339 in UTC with `Z` and exactly milliseconds.
@@ -215,6 +217,30 @@ impl Part {
         self.0.data.clone().map(Json)
     }
 
+    /// The interaction a QUESTION or APPROVAL part shows.
+    async fn interaction_id(&self) -> Option<ID> {
+        self.0
+            .data
+            .as_ref()
+            .and_then(|d| d.get("interactionId"))
+            .and_then(|id| id.as_str())
+            .map(|id| ID(id.to_owned()))
+    }
+
+    async fn question(&self, ctx: &Context<'_>) -> ApiResult<Option<QuestionPart>> {
+        if self.0.kind != PartKind::Question.as_str() {
+            return Ok(None);
+        }
+        Ok(self.interaction(ctx).await?.map(QuestionPart))
+    }
+
+    async fn approval(&self, ctx: &Context<'_>) -> ApiResult<Option<ApprovalPart>> {
+        if self.0.kind != PartKind::Approval.as_str() {
+            return Ok(None);
+        }
+        Ok(self.interaction(ctx).await?.map(ApprovalPart))
+    }
+
     /// The call a TOOL_CALL part shows.
     async fn tool_call(&self, ctx: &Context<'_>) -> ApiResult<Option<ToolCall>> {
         if self.0.kind != PartKind::ToolCall.as_str() {
@@ -224,6 +250,15 @@ impl Part {
         let db = snapshot(ctx).await?;
         let row = reads::tool_call_of_part(&*db, tenant, self.0.id).await?;
         Ok(row.map(ToolCall))
+    }
+}
+
+impl Part {
+    async fn interaction(&self, ctx: &Context<'_>) -> ApiResult<Option<Interaction>> {
+        let tenant = &viewer(ctx)?.tenant;
+        let db = snapshot(ctx).await?;
+        let row = reads::interaction_of_part(&*db, tenant, self.0.id).await?;
+        Ok(row.map(Interaction))
     }
 }
 
@@ -402,4 +437,157 @@ where
     T::Err: std::fmt::Display,
 {
     parse_stored(value, what).map_err(ApiError::from)
+}
+
+/// A question or an approval, as its part and the pending queries show it.
+pub struct Interaction(pub interaction::Model);
+
+impl Interaction {
+    fn questions(&self) -> ApiResult<Vec<QuestionSpec>> {
+        Ok(interactions::questions_of(&self.0)?)
+    }
+
+    fn approval(&self) -> ApiResult<ApprovalRequest> {
+        Ok(interactions::approval_of(&self.0)?)
+    }
+
+    fn status(&self) -> ApiResult<InteractionStatus> {
+        Ok(interactions::status_of(&self.0)?)
+    }
+}
+
+pub struct QuestionPart(pub Interaction);
+
+#[Object]
+impl QuestionPart {
+    async fn questions(&self) -> ApiResult<Vec<QuestionSpec>> {
+        self.0.questions()
+    }
+
+    async fn answers(&self) -> ApiResult<Option<Vec<Answer>>> {
+        Ok(interactions::answers_of(&self.0.0)?)
+    }
+
+    async fn status(&self) -> ApiResult<InteractionStatus> {
+        self.0.status()
+    }
+}
+
+pub struct ApprovalPart(pub Interaction);
+
+#[Object]
+impl ApprovalPart {
+    async fn tool_name(&self) -> ApiResult<String> {
+        Ok(self.0.approval()?.tool_name)
+    }
+
+    async fn summary(&self) -> ApiResult<String> {
+        Ok(self.0.approval()?.summary)
+    }
+
+    async fn risk_category(&self) -> ApiResult<String> {
+        Ok(self.0.approval()?.risk_category)
+    }
+
+    /// The normalized input that runs if it is allowed.
+    async fn input(&self) -> ApiResult<Json<serde_json::Value>> {
+        Ok(Json(self.0.approval()?.input))
+    }
+
+    async fn decision(&self) -> ApiResult<Option<ApprovalDecision>> {
+        Ok(interactions::decision_of(&self.0.0)?)
+    }
+
+    async fn status(&self) -> ApiResult<InteractionStatus> {
+        self.0.status()
+    }
+}
+
+pub struct PendingQuestion(pub Interaction);
+
+#[Object]
+impl PendingQuestion {
+    /// Equal to `interactionId`, so client caches can normalize it.
+    async fn id(&self) -> ID {
+        to_id(self.0.0.id)
+    }
+
+    async fn interaction_id(&self) -> ID {
+        to_id(self.0.0.id)
+    }
+
+    async fn run_id(&self) -> ID {
+        to_id(self.0.0.run_id)
+    }
+
+    async fn questions(&self) -> ApiResult<Vec<QuestionSpec>> {
+        self.0.questions()
+    }
+
+    async fn created_at(&self) -> DateTime {
+        DateTime(self.0.0.created_at)
+    }
+
+    async fn expires_at(&self) -> DateTime {
+        DateTime(self.0.0.expires_at)
+    }
+}
+
+pub struct PendingApproval {
+    pub interaction: Interaction,
+    /// Whether the tenant's policy offers `ALLOW_ALWAYS`.
+    pub allow_always: bool,
+}
+
+#[Object]
+impl PendingApproval {
+    /// Equal to `interactionId`, so client caches can normalize it.
+    async fn id(&self) -> ID {
+        to_id(self.interaction.0.id)
+    }
+
+    async fn interaction_id(&self) -> ID {
+        to_id(self.interaction.0.id)
+    }
+
+    async fn run_id(&self) -> ID {
+        to_id(self.interaction.0.run_id)
+    }
+
+    async fn tool_call_id(&self) -> ID {
+        to_id(self.interaction.0.tool_call_id)
+    }
+
+    async fn tool_name(&self) -> ApiResult<String> {
+        Ok(self.interaction.approval()?.tool_name)
+    }
+
+    async fn summary(&self) -> ApiResult<String> {
+        Ok(self.interaction.approval()?.summary)
+    }
+
+    async fn risk_category(&self) -> ApiResult<String> {
+        Ok(self.interaction.approval()?.risk_category)
+    }
+
+    /// Exactly what runs if it is allowed.
+    async fn input(&self) -> ApiResult<Json<serde_json::Value>> {
+        Ok(Json(self.interaction.approval()?.input))
+    }
+
+    async fn estimated_cost_usd(&self) -> ApiResult<Option<f64>> {
+        Ok(self.interaction.approval()?.estimated_cost_usd)
+    }
+
+    async fn expires_at(&self) -> DateTime {
+        DateTime(self.interaction.0.expires_at)
+    }
+
+    async fn allowed_decisions(&self) -> Vec<ApprovalDecision> {
+        ApprovalDecision::ALL
+            .iter()
+            .copied()
+            .filter(|d| self.allow_always || *d != ApprovalDecision::AllowAlways)
+            .collect()
+    }
 }

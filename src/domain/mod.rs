@@ -2,6 +2,7 @@
 
 pub mod cursor;
 pub mod event;
+pub mod interaction;
 pub mod retry;
 pub mod run;
 pub mod time;

@@ -1,7 +1,7 @@
 //! The built-in scripted model: deterministic and offline. It quotes the
 //! latest user message in a reply streamed in small chunks; a line of that
-//! message may direct it (`/hold SECONDS`, `/fail STATUS`, `/tool NAME
-//! {json}`, and the extension `/loop NAME {json}`).
+//! message may direct it (`/hold SECONDS`, `/fail STATUS`, `/ask`, `/tool
+//! NAME {json}`, and the extension `/loop NAME {json}`).
 
 use std::time::Duration;
 
@@ -65,6 +65,21 @@ fn tool_line(rest: &str) -> Option<(String, Value)> {
     })
 }
 
+/// What `/ask` asks: a single-choice, a multiple-choice and a free-text
+/// question.
+fn demo_questions() -> Value {
+    json!({ "questions": [
+        { "key": "color", "prompt": "Which colour should the banner be?", "options": [
+            { "value": "red", "label": "Red" },
+            { "value": "blue", "label": "Blue", "description": "The calm one" } ] },
+        { "key": "days", "prompt": "Which days should it run?", "multiple": true, "options": [
+            { "value": "mon", "label": "Monday" },
+            { "value": "tue", "label": "Tuesday" },
+            { "value": "wed", "label": "Wednesday" } ] },
+        { "key": "name", "prompt": "What should we call it?" }
+    ] })
+}
+
 pub fn directive(text: &str) -> Directive {
     let mut tools = Vec::new();
     let mut other = None;
@@ -72,6 +87,10 @@ pub fn directive(text: &str) -> Directive {
         let line = line.trim();
         if let Some(rest) = line.strip_prefix("/tool ") {
             tools.extend(tool_line(rest));
+            continue;
+        }
+        if line == "/ask" {
+            tools.push(("ask_questions".to_owned(), demo_questions()));
             continue;
         }
         if let Some(rest) = line.strip_prefix("/loop ")
@@ -334,6 +353,11 @@ mod tests {
                 ("c".into(), json!("not json")),
             ])
         );
+        let Directive::Tools(asked) = directive("/ask") else {
+            panic!("/ask calls a tool");
+        };
+        assert_eq!(asked[0].0, "ask_questions");
+        assert_eq!(asked[0].1["questions"].as_array().unwrap().len(), 3);
         assert_eq!(
             directive("/loop a {}"),
             Directive::Loop("a".into(), json!({}))

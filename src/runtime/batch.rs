@@ -8,22 +8,27 @@
 
 use std::sync::Arc;
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use futures_util::FutureExt;
 use futures_util::future::BoxFuture;
-use futures_util::{FutureExt, StreamExt, TryStreamExt};
 use serde_json::{Value, json};
+use tokio::sync::{Notify, Semaphore};
 use tracing::Instrument;
-use uuid::Uuid;
 
 use super::failpoints;
-use crate::config::Recovery;
+use crate::config::{Recovery, TenantRules};
+use crate::domain::interaction::questions;
 use crate::domain::retry::RetryPolicy;
 use crate::domain::tool_call::{ToolCallStatus, ToolOutcome};
-use crate::store::entities::tool_call;
+use crate::store::entities::{run, tool_call};
+use crate::store::interactions::{self, ApprovalRequest, Decided};
 use crate::store::runs::Lease;
 use crate::store::tool_calls::{self, Verdict};
 use crate::store::{self, Store};
 use crate::tools::invoke::{Effect, Invocation, invoke};
-use crate::tools::registry::{Registry, Tool};
+use crate::tools::registry::{Registry, Runner as ToolRunner, Tool};
 
 /// Whether a call the model asked for may run, and with which input. Input
 /// the schema refuses never runs: the model gets the problems back.
@@ -50,70 +55,225 @@ pub struct Runner<'a> {
     pub store: &'a Store,
     pub lease: &'a Lease,
     pub tools: &'a Registry,
-    pub run_id: Uuid,
+    pub run: &'a run::Model,
+    pub rules: TenantRules,
     pub retry: RetryPolicy,
     pub max_inline_bytes: usize,
     pub concurrency: usize,
 }
 
+/// What the calls of one batch share while they run.
+struct Batch {
+    /// Effects running at once, at most `concurrency`.
+    slots: Semaphore,
+    /// Calls still on their way (neither finished nor only waiting for a
+    /// person); a waiting call keeps looking for its decision while any is.
+    active: AtomicUsize,
+    changed: Notify,
+}
+
+impl Batch {
+    fn settle(&self) {
+        self.active.fetch_sub(1, Ordering::SeqCst);
+        self.changed.notify_waiters();
+    }
+}
+
+/// How often a waiting call looks for its decision while others run.
+const DECISION_POLL: Duration = Duration::from_millis(200);
+
 impl Runner<'_> {
-    /// Brings every call of the batch to its result. Dropping the future
-    /// aborts the calls still running (their requests are closed).
-    pub async fn run(&self, calls: &[tool_call::Model]) -> store::Result<()> {
+    /// Brings every call of the batch to its result, or to waiting for a
+    /// person's decision. Returns whether any call still waits. Dropping the
+    /// future aborts the calls still running (their requests are closed).
+    pub async fn run(&self, calls: &[tool_call::Model]) -> store::Result<bool> {
         let mut open = Vec::new();
         for call in calls {
             if !tool_calls::state_of(call)?.is_terminal() {
                 open.push(call);
             }
         }
+        let batch = Batch {
+            slots: Semaphore::new(self.concurrency.max(1)),
+            active: AtomicUsize::new(open.len()),
+            changed: Notify::new(),
+        };
         // Boxed up front: a lazily mapped stream of borrowing futures trips
         // the compiler's Send inference for the spawned run task.
-        let calls: Vec<BoxFuture<'_, store::Result<()>>> = open
+        let calls: Vec<BoxFuture<'_, store::Result<bool>>> = open
             .into_iter()
             .map(|call| {
                 let span =
                     tracing::info_span!("tool_call", tool_call_id = %call.id, tool = %call.name);
-                self.call(call).instrument(span).boxed()
+                self.call(call, &batch).instrument(span).boxed()
             })
             .collect();
-        futures_util::stream::iter(calls)
-            .buffer_unordered(self.concurrency)
-            .try_collect::<()>()
-            .await
+        let waiting = futures_util::future::try_join_all(calls).await?;
+        Ok(waiting.into_iter().any(|w| w))
     }
 
-    async fn call(&self, call: &tool_call::Model) -> store::Result<()> {
+    /// One call to its result; true when it is left waiting for a person.
+    async fn call(&self, call: &tool_call::Model, batch: &Batch) -> store::Result<bool> {
         let (store, lease) = (self.store, self.lease);
-        let replay = tool_calls::state_of(call)?.status == ToolCallStatus::Executing;
+        let status = tool_calls::state_of(call)?.status;
         let tool = self.tools.get(&call.name);
         let input = call.input.as_ref();
         let (Some(tool), Some(input)) = (tool, input) else {
             // The configuration lost the tool since the call was asked for.
             let output =
                 json!({ "error": format!("the tool {:?} is not configured any more", call.name) });
-            if replay {
-                tool_calls::indeterminate(store, lease, call.id, Some(output)).await?;
-            } else {
-                tool_calls::start(store, lease, call.id, false).await?;
-                tool_calls::complete(store, lease, call.id, false, &output, self.max_inline_bytes)
+            match status {
+                ToolCallStatus::Executing => {
+                    tool_calls::indeterminate(store, lease, call.id, Some(output)).await?;
+                }
+                ToolCallStatus::Awaiting => {
+                    interactions::take_decision(store, lease, call.id).await?;
+                }
+                _ => {
+                    tool_calls::start(store, lease, call.id, false).await?;
+                    tool_calls::complete(
+                        store,
+                        lease,
+                        call.id,
+                        false,
+                        &output,
+                        self.max_inline_bytes,
+                    )
                     .await?;
+                }
             }
-            return Ok(());
+            batch.settle();
+            return Ok(false);
         };
+        let waited = match status {
+            ToolCallStatus::Awaiting => true,
+            ToolCallStatus::Requested if tool.risk.is_some() => {
+                if interactions::granted(store, self.run, &tool.name).await? {
+                    false
+                } else {
+                    let request = ApprovalRequest {
+                        tool_name: tool.name.clone(),
+                        summary: tool.summary.clone(),
+                        risk_category: tool.risk.clone().unwrap_or_default(),
+                        input: input.clone(),
+                        estimated_cost_usd: tool.estimated_cost_usd,
+                        idempotency_key: call.idempotency_key.clone(),
+                    };
+                    let ttl = self.rules.approval_ttl_secs as i64 * 1000;
+                    interactions::ask_approval(store, lease, call, &request, ttl).await?;
+                    true
+                }
+            }
+            ToolCallStatus::Requested if matches!(tool.runner, ToolRunner::AskQuestions) => {
+                match questions(input) {
+                    Ok(specs) => {
+                        let ttl = self.rules.question_ttl_secs as i64 * 1000;
+                        interactions::ask(store, lease, call, &specs, ttl).await?;
+                    }
+                    Err(problem) => {
+                        tool_calls::start(store, lease, call.id, false).await?;
+                        let output = json!({ "error": problem });
+                        tool_calls::complete(
+                            store,
+                            lease,
+                            call.id,
+                            false,
+                            &output,
+                            self.max_inline_bytes,
+                        )
+                        .await?;
+                    }
+                }
+                batch.settle();
+                return Ok(false);
+            }
+            _ => false,
+        };
+        if waited {
+            match self.decision(call, batch).await? {
+                Decided::Run => {}
+                Decided::Settled => return Ok(false),
+                // Nothing else of the batch is on its way: the run parks.
+                Decided::Pending => return Ok(true),
+            }
+        }
+        let replay = status == ToolCallStatus::Executing;
+        let result = self.effect(call, tool, input, replay, waited, batch).await;
+        batch.settle();
+        result.map(|()| false)
+    }
+
+    /// Waits for a person's decision on a waiting call while other calls
+    /// of the batch are on their way, and takes it into the run: `Run` (it
+    /// is allowed and runs now, counted active again), `Settled` (it has
+    /// its result) or `Pending` (nothing else of the batch is running).
+    async fn decision(&self, call: &tool_call::Model, batch: &Batch) -> store::Result<Decided> {
+        let mut counted = true;
+        loop {
+            let changed = batch.changed.notified();
+            match interactions::take_decision(self.store, self.lease, call.id).await? {
+                Decided::Run => {
+                    if !counted {
+                        batch.active.fetch_add(1, Ordering::SeqCst);
+                    }
+                    return Ok(Decided::Run);
+                }
+                Decided::Settled => {
+                    if counted {
+                        batch.settle();
+                    }
+                    return Ok(Decided::Settled);
+                }
+                Decided::Pending => {}
+            }
+            if counted {
+                counted = false;
+                batch.settle();
+            }
+            if batch.active.load(Ordering::SeqCst) == 0 {
+                return Ok(Decided::Pending);
+            }
+            tokio::select! {
+                () = changed => {}
+                () = tokio::time::sleep(DECISION_POLL) => {}
+            }
+        }
+    }
+
+    /// Runs the call's effect: committed `EXECUTING` first, the result
+    /// after. A `never_replay` call cut off while executing ends `UNKNOWN`.
+    async fn effect(
+        &self,
+        call: &tool_call::Model,
+        tool: &Tool,
+        input: &Value,
+        replay: bool,
+        approved: bool,
+        batch: &Batch,
+    ) -> store::Result<()> {
+        let (store, lease) = (self.store, self.lease);
         if replay && tool.recovery == Recovery::NeverReplay {
             tracing::warn!("a call that must not be replayed was cut off; its outcome is unknown");
             tool_calls::indeterminate(store, lease, call.id, None).await?;
             return Ok(());
         }
+        // A gated call gets here only approved, or covered by a grant
+        // (checked just before, or when it was first started).
+        let cleared = tool.risk.is_none()
+            || approved
+            || replay
+            || interactions::granted(store, self.run, &tool.name).await?;
+        let _slot = batch.slots.acquire().await;
         let started = tool_calls::start(store, lease, call.id, replay).await?;
         failpoints::hit("after_tool_executing");
         let effect = invoke(Invocation {
             tool,
             input,
-            run_id: self.run_id,
+            run_id: self.run.id,
             tool_call_id: call.id,
             idempotency_key: &started.idempotency_key,
             retry: &self.retry,
+            cleared,
         })
         .await;
         failpoints::hit("after_tool_response");

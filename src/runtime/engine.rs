@@ -16,22 +16,26 @@ use serde_json::json;
 
 use super::history::History;
 use super::{batch, compaction, failpoints, history, stop};
-use crate::config::{AgentConfig, FileConfig, Limits};
+use crate::config::{AgentConfig, BUILTIN_TOOLS, FileConfig, Limits, PolicyConfig};
 use crate::domain::PartKind;
 use crate::domain::cursor::Cursor;
 use crate::domain::event::{Event, EventBody, EventKind};
 use crate::domain::retry::RetryPolicy;
-use crate::domain::run::{EndCause, RunError, Usage};
+use crate::domain::run::{EndCause, RunError, Usage, Waiting};
 use crate::domain::time::now_millis;
 use crate::domain::tool_call::ToolOutcome;
 use crate::providers::{self, ModelEvent, ModelRequest, Provider, ProviderError, ToolSpec};
 use crate::store::entities::{run, tool_call};
+use crate::store::interactions;
 use crate::store::runs::{
     self, Begun, Compaction, Ending, Lease, OpenPart, PartText, RetryAfterFailure, utf16_len,
 };
 use crate::store::tool_calls::{self, NewToolCall, Verdict};
 use crate::store::{self, Store};
 use crate::tools::registry::{Registry, Tool};
+
+/// The built-in tool that asks a person questions.
+const ASK_QUESTIONS: &str = BUILTIN_TOOLS[0];
 
 /// The most model events merged into one delta.
 const MAX_COALESCED: usize = 256;
@@ -149,6 +153,7 @@ async fn drive(
         deadline,
         checkpoint_every: Duration::from_millis(config.runtime.checkpoint_ms),
         tool_concurrency: config.runtime.tool_concurrency.max(1),
+        policy: &config.policy,
     };
     let mut step = run.steps;
     // A batch of tool calls that an earlier claim left unfinished is
@@ -191,6 +196,7 @@ struct Steps<'a> {
     deadline: Instant,
     checkpoint_every: Duration,
     tool_concurrency: usize,
+    policy: &'a PolicyConfig,
 }
 
 impl Steps<'_> {
@@ -360,30 +366,43 @@ impl Steps<'_> {
             store,
             lease,
             tools: self.tools,
-            run_id: self.run.id,
+            run: self.run,
+            rules: self.policy.for_tenant(&self.run.tenant),
             retry: retry_policy(agent),
             max_inline_bytes: agent.limits.max_inline_tool_output_bytes,
             concurrency: self.tool_concurrency,
         };
-        let work = runner.run(calls);
-        tokio::pin!(work);
+        let mut calls = calls.to_vec();
         loop {
-            tokio::select! {
-                done = &mut work => {
-                    done?;
-                    break;
-                }
-                () = self.control.token.cancelled(), if self.control.reason() != Some(Stop::Shutdown) => {
-                    let stop = self.control.reason().unwrap_or(Stop::Cancelled);
-                    if stop == Stop::Shutdown {
-                        // The calls finish first (see below).
-                        continue;
+            let waited = {
+                let work = runner.run(&calls);
+                tokio::pin!(work);
+                loop {
+                    tokio::select! {
+                        done = &mut work => break done?,
+                        () = self.control.token.cancelled(), if self.control.reason() != Some(Stop::Shutdown) => {
+                            let stop = self.control.reason().unwrap_or(Stop::Cancelled);
+                            if stop == Stop::Shutdown {
+                                // The calls finish first (see below).
+                                continue;
+                            }
+                            // Dropping the work aborts the running requests.
+                            return self.stop(stop, &attempt, step).await;
+                        }
+                        () = sleep_until(self.deadline) => return self.timed_out(&attempt, step).await,
                     }
-                    // Dropping the work aborts the running requests.
-                    return self.stop(stop, &attempt, step).await;
                 }
-                () = sleep_until(self.deadline) => return self.timed_out(&attempt, step).await,
+            };
+            if !waited {
+                break;
             }
+            // Calls wait for decisions and nothing else runs: the run parks,
+            // unless a decision came in meanwhile.
+            let usage = attempt.usage(agent);
+            if interactions::park(store, lease, Waiting::Approval, usage, false).await? {
+                return Ok(Next::Over);
+            }
+            calls = tool_calls::of_step(store, self.run.id, step).await?;
         }
         // A shutdown lets the batch finish (within the grace period), then
         // hands the run back.
@@ -400,6 +419,14 @@ impl Steps<'_> {
         if let Some((cause, message)) = condition {
             let ending = stopped_by(cause, message, usage, step + 1);
             return over(end(store, lease, &attempt, ending).await);
+        }
+        // A question asked in this step parks the run until it is answered
+        // (or expires); the answers open the next step.
+        let asked = all
+            .iter()
+            .any(|c| c.step == step && c.name == ASK_QUESTIONS);
+        if asked && interactions::park(store, lease, Waiting::Question, usage, true).await? {
+            return Ok(Next::Over);
         }
         let (part, cursor) = runs::end_step(store, lease, usage).await?;
         failpoints::hit("after_step");

@@ -1,15 +1,20 @@
 //! The history sent to the model, rebuilt from committed facts only.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 
 use sea_orm::{ColumnTrait, EntityTrait, QueryFilter, QueryOrder};
 use uuid::Uuid;
 
+use crate::domain::interaction::{InteractionStatus, answers_text};
 use crate::domain::tool_call::{ToolOutcome, result_text};
 use crate::domain::{MessageRole, PartKind};
 use crate::providers::{Content, Turn};
-use crate::store::entities::{part, run, summary, tool_call};
-use crate::store::{Result, Store, parse_stored, reads};
+use crate::store::entities::{interaction, part, run, summary, tool_call};
+use crate::store::{Result, Store, interactions, parse_stored, reads};
+
+/// What the model reads when its questions expired unanswered.
+const QUESTIONS_EXPIRED: &str =
+    "Nobody answered your questions before they expired; go on without the answers.";
 
 /// The opening of the turn that stands in for compacted messages.
 pub const SUMMARY_HEADING: &str = "Summary of the earlier conversation:";
@@ -50,6 +55,7 @@ pub async fn load(store: &Store, run: &run::Model) -> Result<History> {
     let ids: Vec<Uuid> = messages.iter().map(|m| m.id).collect();
     let mut parts = reads::parts_of(db, &run.tenant, &ids).await?;
     let mut calls = reads::tool_calls_by_part(db, &run.tenant, run.conversation_id).await?;
+    let mut asked = reads::interactions_by_part(db, &run.tenant, run.conversation_id).await?;
     let mut history = History::default();
     if let Some(summary) = &latest_summary {
         let text = format!("{SUMMARY_HEADING}\n{}", summary.text);
@@ -79,7 +85,7 @@ pub async fn load(store: &Store, run: &run::Model) -> Result<History> {
             steps.entry(part.step).or_default().push(part);
         }
         for (_, parts) in steps {
-            let (said, results) = step_turns(parts, &mut calls)?;
+            let (said, results) = step_turns(parts, &mut calls, &mut asked)?;
             if !said.content.is_empty() {
                 history.push(said, Some(message.id));
             }
@@ -103,11 +109,14 @@ fn texts(parts: &[part::Model]) -> Result<String> {
 }
 
 /// One step of a reply: what the model said (signed reasoning, text, tool
-/// calls, in order) and the one result of each call.
+/// calls, in order) and the one result of each call, followed by the
+/// answers to questions the step asked.
 fn step_turns(
     parts: Vec<part::Model>,
-    calls: &mut std::collections::HashMap<Uuid, tool_call::Model>,
+    calls: &mut HashMap<Uuid, tool_call::Model>,
+    asked: &mut HashMap<Uuid, interaction::Model>,
 ) -> Result<(Turn, Turn)> {
+    let mut answers = Vec::new();
     let mut said = Turn {
         role: MessageRole::Assistant,
         content: Vec::new(),
@@ -146,8 +155,26 @@ fn step_turns(
                     is_error: !succeeded,
                 });
             }
+            PartKind::Question => {
+                let Some(question) = asked.remove(&part.id) else {
+                    continue;
+                };
+                match interactions::status_of(&question)? {
+                    InteractionStatus::Resolved => {
+                        let specs = interactions::questions_of(&question)?;
+                        let given = interactions::answers_of(&question)?.unwrap_or_default();
+                        answers.push(Content::Text(answers_text(&specs, &given)));
+                    }
+                    InteractionStatus::Expired => {
+                        answers.push(Content::Text(QUESTIONS_EXPIRED.to_owned()));
+                    }
+                    InteractionStatus::Pending | InteractionStatus::Cancelled => {}
+                }
+            }
             _ => {}
         }
     }
+    // Tool results come first in their user turn, as the providers require.
+    results.content.extend(answers);
     Ok((said, results))
 }

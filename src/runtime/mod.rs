@@ -20,6 +20,7 @@ use uuid::Uuid;
 use crate::config::FileConfig;
 use crate::store::Store;
 use crate::store::entities::run;
+use crate::store::interactions;
 use crate::store::queue::{self, Heartbeat, Reclaim};
 use crate::store::runs::Lease;
 use crate::tools::registry::Registry as ToolRegistry;
@@ -143,6 +144,13 @@ async fn dispatch(
             _ = reap.tick() => {
                 if let Err(err) = queue::reclaim(&store, Reclaim::Expired, budget).await {
                     tracing::warn!(error = %err, "recovering expired leases failed");
+                }
+                // Questions and approvals nobody resolved in time end their
+                // wait, and their runs go on.
+                match interactions::expire_due(&store).await {
+                    Ok(0) => {}
+                    Ok(n) => tracing::info!(interactions = n, "expired unanswered interactions"),
+                    Err(err) => tracing::warn!(error = %err, "expiring interactions failed"),
                 }
             }
             request = cancels.recv() => {

@@ -241,3 +241,61 @@ pub mod tool_call {
 
     impl ActiveModelBehavior for ActiveModel {}
 }
+
+pub mod interaction {
+    use sea_orm::entity::prelude::*;
+
+    /// What a run asks of a person, resolved once.
+    #[derive(Clone, Debug, PartialEq, DeriveEntityModel)]
+    #[sea_orm(table_name = "interactions")]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub id: Uuid,
+        pub tenant: String,
+        pub conversation_id: Uuid,
+        pub run_id: Uuid,
+        pub tool_call_id: Uuid,
+        pub part_id: Uuid,
+        pub kind: String,
+        pub status: String,
+        /// Question specs, or what an approval would run.
+        pub request: Json,
+        /// Answers, or the decision.
+        pub resolution: Option<Json>,
+        pub resolved_by: Option<String>,
+        pub created_at: i64,
+        pub expires_at: i64,
+        pub resolved_at: Option<i64>,
+        /// When a worker took the resolution into its run.
+        pub claimed_at: Option<i64>,
+    }
+
+    #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]
+    pub enum Relation {}
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
+pub mod grant {
+    use sea_orm::entity::prelude::*;
+
+    /// A standing permission to run a gated tool without asking.
+    #[derive(Clone, Debug, PartialEq, DeriveEntityModel)]
+    #[sea_orm(table_name = "grants")]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub id: Uuid,
+        pub tenant: String,
+        pub scope: String,
+        pub conversation_id: Option<Uuid>,
+        pub principal: Option<String>,
+        pub tool: String,
+        pub interaction_id: Uuid,
+        pub created_at: i64,
+    }
+
+    #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]
+    pub enum Relation {}
+
+    impl ActiveModelBehavior for ActiveModel {}
+}

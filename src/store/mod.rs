@@ -3,6 +3,7 @@
 
 pub mod commands;
 pub mod entities;
+pub mod interactions;
 pub mod queue;
 pub mod reads;
 pub mod runs;
@@ -43,6 +44,16 @@ pub enum Error {
     /// written, and the caller must stop working on the run.
     #[error("the lease on this run is no longer held")]
     Fenced,
+    /// Input refused before anything changed, naming the field when there
+    /// is one.
+    #[error("{message}")]
+    Invalid {
+        key: Option<String>,
+        message: String,
+    },
+    /// A policy refuses it.
+    #[error("{0}")]
+    Forbidden(String),
     /// A stored value this build cannot read: refuse rather than guess.
     #[error("corrupt stored data: {0}")]
     Corrupt(String),

@@ -9,7 +9,7 @@ use sea_orm::{
 };
 use uuid::Uuid;
 
-use super::entities::{conversation, event, message, part, run, tool_call};
+use super::entities::{conversation, event, interaction, message, part, run, tool_call};
 use super::{Error, Result, parse_stored};
 use crate::domain::cursor::Cursor;
 use crate::domain::event::{Event, EventKind};
@@ -236,4 +236,58 @@ pub async fn tool_call_of_part<C: ConnectionTrait>(
         .filter(tool_call::Column::PartId.eq(part_id))
         .one(db)
         .await?)
+}
+
+/// An interaction of the tenant.
+pub async fn interaction<C: ConnectionTrait>(
+    db: &C,
+    tenant: &str,
+    id: Uuid,
+) -> Result<Option<interaction::Model>> {
+    owned::<interaction::Entity, _>(db, interaction::Column::Tenant, tenant, id).await
+}
+
+/// A run's interactions of one kind and status, oldest (batch order) first.
+pub async fn interactions_of_run<C: ConnectionTrait>(
+    db: &C,
+    tenant: &str,
+    run_id: Uuid,
+    kind: &str,
+    status: &str,
+) -> Result<Vec<interaction::Model>> {
+    Ok(interaction::Entity::find()
+        .filter(interaction::Column::Tenant.eq(tenant))
+        .filter(interaction::Column::RunId.eq(run_id))
+        .filter(interaction::Column::Kind.eq(kind))
+        .filter(interaction::Column::Status.eq(status))
+        .order_by(interaction::Column::Id, Order::Asc)
+        .all(db)
+        .await?)
+}
+
+/// The interaction a QUESTION or APPROVAL part shows.
+pub async fn interaction_of_part<C: ConnectionTrait>(
+    db: &C,
+    tenant: &str,
+    part_id: Uuid,
+) -> Result<Option<interaction::Model>> {
+    Ok(interaction::Entity::find()
+        .filter(interaction::Column::Tenant.eq(tenant))
+        .filter(interaction::Column::PartId.eq(part_id))
+        .one(db)
+        .await?)
+}
+
+/// A conversation's interactions, by the part that shows each.
+pub async fn interactions_by_part<C: ConnectionTrait>(
+    db: &C,
+    tenant: &str,
+    conversation_id: Uuid,
+) -> Result<HashMap<Uuid, interaction::Model>> {
+    let rows = interaction::Entity::find()
+        .filter(interaction::Column::Tenant.eq(tenant))
+        .filter(interaction::Column::ConversationId.eq(conversation_id))
+        .all(db)
+        .await?;
+    Ok(rows.into_iter().map(|row| (row.part_id, row)).collect())
 }

@@ -175,29 +175,47 @@ async fn change(
     fill: impl FnOnce(&mut tool_call::ActiveModel, ToolCallState),
 ) -> Result<tool_call::Model> {
     let (mut tx, conversation, row) = open(store, lease).await?;
+    let (saved, events) = change_in(&tx, &row, call_id, input, fill).await?;
+    tx.append(&conversation, events).await?;
+    store.commit(tx).await?;
+    Ok(saved)
+}
+
+/// `change` inside a caller's fenced transaction; returns the call and the
+/// events to append.
+pub(super) async fn change_in(
+    tx: &WriteTx,
+    row: &run::Model,
+    call_id: Uuid,
+    input: ToolInput,
+    fill: impl FnOnce(&mut tool_call::ActiveModel, ToolCallState),
+) -> Result<(tool_call::Model, Vec<NewEvent>)> {
     let call = tool_call::Entity::find_by_id(call_id)
         .filter(tool_call::Column::RunId.eq(row.id))
         .lock_exclusive()
-        .one(&*tx)
+        .one(&**tx)
         .await?
         .ok_or(Error::NotFound)?;
     let before = state_of(&call)?;
     let after = before
         .apply(input)
         .map_err(|e| Error::Conflict(e.to_string()))?;
-    let mut events = vec![tool_event(event_for(after), row.id, call.id, &call.name)];
+    let mut events = Vec::new();
+    // Waiting for a person and being allowed are told by the interaction's
+    // own events.
+    if !matches!(input, ToolInput::Await | ToolInput::Allow) {
+        events.push(tool_event(event_for(after), row.id, call.id, &call.name));
+    }
     let part_id = call.part_id;
     let mut active: tool_call::ActiveModel = call.into();
     set_state(&mut active, after);
     fill(&mut active, after);
-    let saved = active.update(&*tx).await?;
-    events.push(runs::part_touched(&tx, &row, part_id).await?);
-    tx.append(&conversation, events).await?;
-    store.commit(tx).await?;
-    Ok(saved)
+    let saved = active.update(&**tx).await?;
+    events.push(runs::part_touched(tx, row, part_id).await?);
+    Ok((saved, events))
 }
 
-fn set_state(active: &mut tool_call::ActiveModel, state: ToolCallState) {
+pub(super) fn set_state(active: &mut tool_call::ActiveModel, state: ToolCallState) {
     active.status = Set(state.status.as_str().to_owned());
     active.attempt = Set(state.attempt as i32);
     active.outcome = Set(state.outcome.map(|o| o.as_str().to_owned()));
@@ -328,7 +346,12 @@ pub(crate) async fn close_unfinished(tx: &WriteTx, row: &run::Model) -> Result<V
     Ok(events)
 }
 
-fn tool_event(kind: EventKind, run_id: Uuid, tool_call_id: Uuid, name: &str) -> NewEvent {
+pub(super) fn tool_event(
+    kind: EventKind,
+    run_id: Uuid,
+    tool_call_id: Uuid,
+    name: &str,
+) -> NewEvent {
     NewEvent {
         kind,
         run_id: Some(run_id),

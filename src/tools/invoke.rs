@@ -23,6 +23,9 @@ pub struct Invocation<'a> {
     pub idempotency_key: &'a str,
     /// For transient failures of idempotent tools.
     pub retry: &'a RetryPolicy,
+    /// A person approved this call, or a standing grant covers it. A tool
+    /// with a risk category never runs without it.
+    pub cleared: bool,
 }
 
 /// How the effect came out.
@@ -38,20 +41,22 @@ pub enum Effect {
 
 pub async fn invoke(call: Invocation<'_>) -> Effect {
     let tool = call.tool;
-    // Approvals arrive with a later version; until then a gated tool never
-    // runs (fail closed).
-    if let Some(risk) = &tool.risk {
+    // Fail closed: whatever path led here, a gated tool runs only with an
+    // approval or a grant behind it.
+    if let Some(risk) = &tool.risk
+        && !call.cleared
+    {
         return Effect::Failed(json!({
             "error": format!(
-                "{} needs a person's approval (risk category {risk:?}), which this server cannot \
-                 ask for yet; it did not run",
+                "{} needs a person's approval (risk category {risk:?}); it did not run",
                 tool.name
             )
         }));
     }
     match &tool.runner {
+        // Questions are asked by the batch itself, never executed.
         Runner::AskQuestions => Effect::Failed(json!({
-            "error": "asking questions is not available on this server yet; it did not run"
+            "error": "ask_questions is not an effect; it did not run"
         })),
         Runner::DemoPublish => Effect::Succeeded(json!({ "published": call.input })),
         Runner::Http(target) => http_call(target, &call).await,

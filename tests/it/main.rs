@@ -10,6 +10,7 @@ mod downstream;
 mod fakes;
 mod input_limits;
 mod instances;
+mod interactions;
 mod provider_tools;
 mod providers;
 mod retries;

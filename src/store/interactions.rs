@@ -1,0 +1,606 @@
+//! Questions and approvals: the worker's commits that open them and park
+//! the run, the API's commits that resolve them (once, re-queueing a parked
+//! run in the same transaction), the worker's claim of a decision, and the
+//! sweep of expired ones. Parking and resolving both lock the conversation
+//! row first, so a resolution is never slept through: either it commits
+//! before the park (which then sees it and does not park) or after it
+//! (and finds the run waiting, and re-queues it).
+
+use sea_orm::ActiveValue::Set;
+use sea_orm::{ActiveModelTrait, ColumnTrait, EntityTrait, QueryFilter, QueryOrder};
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+use uuid::Uuid;
+
+use super::commands::Actor;
+use super::entities::{grant, interaction, run, tool_call};
+use super::runs::{self, Lease, open};
+use super::tool_calls::change_in;
+use super::{Error, Result, Store, WriteTx, parse_stored, reads};
+use crate::domain::PartKind;
+use crate::domain::event::{EventBody, EventKind, NewEvent};
+use crate::domain::interaction::{
+    Answer, ApprovalDecision, InteractionKind, InteractionStatus, QuestionSpec, validate_answers,
+};
+use crate::domain::run::{RunInput, RunStatus, Usage, Waiting, transition};
+use crate::domain::time::now_millis;
+use crate::domain::tool_call::{ToolInput, closing_output};
+
+/// What an approval would run, stored when it is asked for: the resumed run
+/// executes exactly this.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ApprovalRequest {
+    pub tool_name: String,
+    pub summary: String,
+    pub risk_category: String,
+    pub input: Value,
+    pub estimated_cost_usd: Option<f64>,
+    pub idempotency_key: String,
+}
+
+fn interaction_event(kind: EventKind, run_id: Uuid, interaction_id: Uuid) -> NewEvent {
+    NewEvent {
+        kind,
+        run_id: Some(run_id),
+        body: EventBody::Interaction { interaction_id },
+    }
+}
+
+fn to_json<T: Serialize>(value: &T) -> Result<Value> {
+    serde_json::to_value(value).map_err(|e| Error::Corrupt(e.to_string()))
+}
+
+pub fn kind_of(row: &interaction::Model) -> Result<InteractionKind> {
+    parse_stored(&row.kind, "interaction kind")
+}
+
+pub fn status_of(row: &interaction::Model) -> Result<InteractionStatus> {
+    parse_stored(&row.status, "interaction status")
+}
+
+pub fn questions_of(row: &interaction::Model) -> Result<Vec<QuestionSpec>> {
+    serde_json::from_value(row.request.clone()).map_err(|e| Error::Corrupt(e.to_string()))
+}
+
+pub fn answers_of(row: &interaction::Model) -> Result<Option<Vec<Answer>>> {
+    row.resolution
+        .clone()
+        .map(serde_json::from_value)
+        .transpose()
+        .map_err(|e| Error::Corrupt(e.to_string()))
+}
+
+pub fn approval_of(row: &interaction::Model) -> Result<ApprovalRequest> {
+    serde_json::from_value(row.request.clone()).map_err(|e| Error::Corrupt(e.to_string()))
+}
+
+pub fn decision_of(row: &interaction::Model) -> Result<Option<ApprovalDecision>> {
+    row.resolution
+        .clone()
+        .map(serde_json::from_value)
+        .transpose()
+        .map_err(|e| Error::Corrupt(e.to_string()))
+}
+
+async fn pending_of_run(
+    tx: &WriteTx,
+    run_id: Uuid,
+    kind: InteractionKind,
+) -> Result<Vec<interaction::Model>> {
+    Ok(interaction::Entity::find()
+        .filter(interaction::Column::RunId.eq(run_id))
+        .filter(interaction::Column::Kind.eq(kind.as_str()))
+        .filter(interaction::Column::Status.eq(InteractionStatus::Pending.as_str()))
+        .order_by_asc(interaction::Column::Id)
+        .all(&**tx)
+        .await?)
+}
+
+/// Opens the interaction of `call` with its part, inside the caller's
+/// transaction.
+async fn open_interaction(
+    tx: &WriteTx,
+    row: &run::Model,
+    call: &tool_call::Model,
+    kind: InteractionKind,
+    request: Value,
+    ttl_ms: i64,
+) -> Result<(Uuid, Vec<NewEvent>)> {
+    let id = Uuid::now_v7();
+    let message_id = runs::assistant_message(tx, row).await?;
+    let part_kind = match kind {
+        InteractionKind::Question => PartKind::Question,
+        InteractionKind::Approval => PartKind::Approval,
+        InteractionKind::Connection => PartKind::Connection,
+    };
+    let part = runs::add_part_with(
+        tx,
+        row,
+        message_id,
+        part_kind,
+        Some(json!({ "interactionId": id, "toolCallId": call.id })),
+    )
+    .await?;
+    let now = now_millis();
+    interaction::ActiveModel {
+        id: Set(id),
+        tenant: Set(row.tenant.clone()),
+        conversation_id: Set(row.conversation_id),
+        run_id: Set(row.id),
+        tool_call_id: Set(call.id),
+        part_id: Set(part.id),
+        kind: Set(kind.as_str().to_owned()),
+        status: Set(InteractionStatus::Pending.as_str().to_owned()),
+        request: Set(request),
+        resolution: Set(None),
+        resolved_by: Set(None),
+        created_at: Set(now),
+        expires_at: Set(now + ttl_ms),
+        resolved_at: Set(None),
+        claimed_at: Set(None),
+    }
+    .insert(&**tx)
+    .await?;
+    let requested = match kind {
+        InteractionKind::Question => EventKind::QuestionRequested,
+        InteractionKind::Approval => EventKind::ApprovalRequested,
+        InteractionKind::Connection => EventKind::ConnectionRequested,
+    };
+    Ok((
+        id,
+        vec![
+            runs::part_event(EventKind::PartAdded, row, &part, None)?,
+            interaction_event(requested, row.id, id),
+        ],
+    ))
+}
+
+/// `ask_questions`: the questions are stored as a pending interaction and
+/// the call is answered at once with a result naming it. A second
+/// `ask_questions` while one of the run is pending fails at once.
+pub async fn ask(
+    store: &Store,
+    lease: &Lease,
+    call: &tool_call::Model,
+    specs: &[QuestionSpec],
+    ttl_ms: i64,
+) -> Result<()> {
+    let (mut tx, conversation, row) = open(store, lease).await?;
+    let mut events = Vec::new();
+    let pending = pending_of_run(&tx, row.id, InteractionKind::Question).await?;
+    let (succeeded, output) = if pending.is_empty() {
+        let (id, opened) = open_interaction(
+            &tx,
+            &row,
+            call,
+            InteractionKind::Question,
+            to_json(&specs)?,
+            ttl_ms,
+        )
+        .await?;
+        events.extend(opened);
+        let output = json!({
+            "interactionId": id,
+            "status": InteractionStatus::Pending.as_str(),
+            "note": "The person has been asked; their answers follow in a user message.",
+        });
+        (true, output)
+    } else {
+        let output = json!({
+            "error": "earlier questions of this run are still waiting for their answers; ask again once they arrive"
+        });
+        (false, output)
+    };
+    let (_, started) = change_in(&tx, &row, call.id, ToolInput::Start, |_, _| {}).await?;
+    let (_, finished) = change_in(
+        &tx,
+        &row,
+        call.id,
+        ToolInput::Finish { succeeded },
+        |active, _| {
+            active.output = Set(Some(output));
+            active.started_at = Set(Some(now_millis()));
+        },
+    )
+    .await?;
+    events.extend(started);
+    events.extend(finished);
+    tx.append(&conversation, events).await?;
+    store.commit(tx).await?;
+    Ok(())
+}
+
+/// A gated call without a grant: it waits (`AWAITING`) for its own
+/// decision, with what it would run stored.
+pub async fn ask_approval(
+    store: &Store,
+    lease: &Lease,
+    call: &tool_call::Model,
+    request: &ApprovalRequest,
+    ttl_ms: i64,
+) -> Result<()> {
+    let (mut tx, conversation, row) = open(store, lease).await?;
+    let (_, mut events) = change_in(&tx, &row, call.id, ToolInput::Await, |_, _| {}).await?;
+    let (_, opened) = open_interaction(
+        &tx,
+        &row,
+        call,
+        InteractionKind::Approval,
+        to_json(request)?,
+        ttl_ms,
+    )
+    .await?;
+    events.extend(opened);
+    tx.append(&conversation, events).await?;
+    store.commit(tx).await?;
+    Ok(())
+}
+
+/// Whether a standing grant lets this tool run without asking.
+pub async fn granted(store: &Store, run: &run::Model, tool: &str) -> Result<bool> {
+    let grants = grant::Entity::find()
+        .filter(grant::Column::Tenant.eq(run.tenant.as_str()))
+        .filter(grant::Column::Tool.eq(tool))
+        .all(store.db())
+        .await?;
+    Ok(grants.iter().any(|g| match g.scope.as_str() {
+        "CONVERSATION" => g.conversation_id == Some(run.conversation_id),
+        "ALWAYS" => g.principal.as_deref() == Some(run.principal.as_str()),
+        _ => false,
+    }))
+}
+
+/// What a waiting call may do now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Decided {
+    /// Allowed (and claimed): it runs, with its stored input.
+    Run,
+    /// Denied, expired or cancelled: it has its result.
+    Settled,
+    /// Nobody has decided yet.
+    Pending,
+}
+
+/// Takes the decision on a waiting call into the run, once: the
+/// interaction is claimed with a compare-and-set, and the call moves
+/// (allowed: back to `REQUESTED`; denied: `DENIED`; expired: `EXPIRED`).
+pub async fn take_decision(store: &Store, lease: &Lease, call_id: Uuid) -> Result<Decided> {
+    let (mut tx, conversation, row) = open(store, lease).await?;
+    let found = interaction::Entity::find()
+        .filter(interaction::Column::ToolCallId.eq(call_id))
+        .filter(interaction::Column::RunId.eq(row.id))
+        .one(&*tx)
+        .await?
+        .ok_or(Error::NotFound)?;
+    let status = status_of(&found)?;
+    if status == InteractionStatus::Pending {
+        return Ok(Decided::Pending);
+    }
+    if found.claimed_at.is_some() {
+        // Taken by an earlier claim: the call moved with it.
+        return Ok(Decided::Settled);
+    }
+    let claimed = interaction::Entity::update_many()
+        .col_expr(
+            interaction::Column::ClaimedAt,
+            sea_orm::sea_query::Expr::value(now_millis()),
+        )
+        .filter(interaction::Column::Id.eq(found.id))
+        .filter(interaction::Column::ClaimedAt.is_null())
+        .exec(&*tx)
+        .await?;
+    if claimed.rows_affected != 1 {
+        return Ok(Decided::Settled);
+    }
+    let (input, decided) = match (status, decision_of(&found)?) {
+        (InteractionStatus::Resolved, Some(ApprovalDecision::Deny)) => {
+            (ToolInput::Refuse { expired: false }, Decided::Settled)
+        }
+        (InteractionStatus::Resolved, Some(_)) => (ToolInput::Allow, Decided::Run),
+        (InteractionStatus::Expired, _) => (ToolInput::Refuse { expired: true }, Decided::Settled),
+        // Cancelled with its run, which closed the call too.
+        _ => {
+            store.commit(tx).await?;
+            return Ok(Decided::Settled);
+        }
+    };
+    let (_, events) = change_in(&tx, &row, call_id, input, |active, state| {
+        if let Some(outcome) = state.outcome {
+            active.output = Set(Some(closing_output(outcome)));
+        }
+    })
+    .await?;
+    tx.append(&conversation, events).await?;
+    store.commit(tx).await?;
+    Ok(decided)
+}
+
+/// Parks the run until a person answers: `WAITING_FOR_*`, no worker holds
+/// it. Returns false, changing nothing, when nothing of `waiting`'s kind is
+/// pending any more or a decision already waits to be taken (it arrived
+/// while the worker was busy). `end_step` counts the step as done (a
+/// question's batch is complete; an approval's batch resumes on the next
+/// claim).
+pub async fn park(
+    store: &Store,
+    lease: &Lease,
+    waiting: Waiting,
+    usage: Usage,
+    end_step: bool,
+) -> Result<bool> {
+    let (mut tx, conversation, row) = open(store, lease).await?;
+    let kind = match waiting {
+        Waiting::Question => InteractionKind::Question,
+        Waiting::Approval => InteractionKind::Approval,
+        Waiting::Connection => InteractionKind::Connection,
+    };
+    if pending_of_run(&tx, row.id, kind).await?.is_empty() {
+        return Ok(false);
+    }
+    if waiting == Waiting::Approval {
+        let untaken = interaction::Entity::find()
+            .filter(interaction::Column::RunId.eq(row.id))
+            .filter(interaction::Column::Kind.eq(kind.as_str()))
+            .filter(interaction::Column::Status.ne(InteractionStatus::Pending.as_str()))
+            .filter(interaction::Column::ClaimedAt.is_null())
+            .one(&*tx)
+            .await?;
+        if untaken.is_some() {
+            return Ok(false);
+        }
+    }
+    let to = transition(RunStatus::Running, RunInput::Park(waiting))
+        .map_err(|e| Error::Conflict(e.to_string()))?;
+    let now = now_millis();
+    let mut events = Vec::new();
+    if end_step {
+        events.push(NewEvent {
+            kind: EventKind::RunCheckpointed,
+            run_id: Some(row.id),
+            body: EventBody::Run {
+                status: RunStatus::Running,
+            },
+        });
+    }
+    if usage.input_tokens != row.input_tokens || usage.output_tokens != row.output_tokens {
+        events.push(NewEvent {
+            kind: EventKind::UsageUpdated,
+            run_id: Some(row.id),
+            body: EventBody::Usage { usage },
+        });
+    }
+    let active_ms = row.active_ms + (now - row.claimed_at.unwrap_or(now)).max(0);
+    let steps = row.steps + i32::from(end_step);
+    let mut active: run::ActiveModel = row.into();
+    active.status = Set(to.as_str().to_owned());
+    active.steps = Set(steps);
+    active.attempt = Set(1);
+    active.input_tokens = Set(usage.input_tokens);
+    active.output_tokens = Set(usage.output_tokens);
+    active.cost_usd = Set(usage.cost_usd);
+    active.active_ms = Set(active_ms);
+    runs::clear_lease(&mut active);
+    active.update(&*tx).await?;
+    tx.append(&conversation, events).await?;
+    store.commit(tx).await?;
+    Ok(true)
+}
+
+/// Closes the pending interactions of an ending run (`CANCELLED`).
+pub(crate) async fn cancel_pending(tx: &WriteTx, row: &run::Model) -> Result<()> {
+    interaction::Entity::update_many()
+        .col_expr(
+            interaction::Column::Status,
+            sea_orm::sea_query::Expr::value(InteractionStatus::Cancelled.as_str()),
+        )
+        .col_expr(
+            interaction::Column::ResolvedAt,
+            sea_orm::sea_query::Expr::value(now_millis()),
+        )
+        .filter(interaction::Column::RunId.eq(row.id))
+        .filter(interaction::Column::Status.eq(InteractionStatus::Pending.as_str()))
+        .exec(&**tx)
+        .await?;
+    Ok(())
+}
+
+/// How a person resolves an interaction.
+#[derive(Debug, Clone)]
+pub enum Resolution {
+    Answers(Vec<Answer>),
+    Decision {
+        decision: ApprovalDecision,
+        /// Whether the tenant's policy offers `ALLOW_ALWAYS`.
+        allow_always: bool,
+    },
+}
+
+/// Records a person's resolution, once, with its event, the grant it
+/// makes, and the move of a parked run back to the queue, in one
+/// transaction. Returns the run and whether this call resumed it (true
+/// exactly once per interaction). Repeating the recorded resolution gives
+/// false; a different one, or one for an expired or cancelled interaction,
+/// is `CONFLICT`; an interaction of another kind is `NOT_FOUND`.
+pub async fn resolve(
+    store: &Store,
+    actor: &Actor,
+    interaction_id: Uuid,
+    resolution: Resolution,
+) -> Result<(run::Model, bool)> {
+    let wanted = match &resolution {
+        Resolution::Answers(_) => InteractionKind::Question,
+        Resolution::Decision { .. } => InteractionKind::Approval,
+    };
+    let Some(found) = reads::interaction(store.db(), &actor.tenant, interaction_id).await? else {
+        return Err(Error::NotFound);
+    };
+    if kind_of(&found)? != wanted {
+        return Err(Error::NotFound);
+    }
+    // Checked before anything is written: bad input changes nothing.
+    let (recorded, decision) = match &resolution {
+        Resolution::Answers(answers) => {
+            let valid =
+                validate_answers(&questions_of(&found)?, answers).map_err(|e| Error::Invalid {
+                    key: e.key,
+                    message: e.message,
+                })?;
+            (to_json(&valid)?, None)
+        }
+        Resolution::Decision {
+            decision,
+            allow_always,
+        } => {
+            if *decision == ApprovalDecision::AllowAlways && !allow_always {
+                return Err(Error::Forbidden(
+                    "ALLOW_ALWAYS is not offered to this tenant".into(),
+                ));
+            }
+            (to_json(decision)?, Some(*decision))
+        }
+    };
+    let mut tx = store.begin_write().await?;
+    let conversation = tx
+        .lock_conversation(found.conversation_id, &actor.tenant)
+        .await?;
+    let row = interaction::Entity::find_by_id(interaction_id)
+        .one(&*tx)
+        .await?
+        .ok_or(Error::NotFound)?;
+    let run_row = run::Entity::find_by_id(row.run_id)
+        .one(&*tx)
+        .await?
+        .ok_or(Error::NotFound)?;
+    match status_of(&row)? {
+        InteractionStatus::Pending => {}
+        InteractionStatus::Resolved if row.resolution.as_ref() == Some(&recorded) => {
+            return Ok((run_row, false));
+        }
+        InteractionStatus::Resolved => {
+            return Err(Error::Conflict(
+                "this interaction was already resolved differently".into(),
+            ));
+        }
+        InteractionStatus::Expired | InteractionStatus::Cancelled => {
+            return Err(Error::Conflict(format!(
+                "this interaction is {}",
+                row.status.to_lowercase()
+            )));
+        }
+    }
+    let now = now_millis();
+    let run_id = row.run_id;
+    let conversation_id = row.conversation_id;
+    let tool_name = match wanted {
+        InteractionKind::Approval => Some(approval_of(&row)?.tool_name),
+        _ => None,
+    };
+    let mut active: interaction::ActiveModel = row.into();
+    active.status = Set(InteractionStatus::Resolved.as_str().to_owned());
+    active.resolution = Set(Some(recorded));
+    active.resolved_by = Set(Some(actor.principal.clone()));
+    active.resolved_at = Set(Some(now));
+    active.update(&*tx).await?;
+    let scope = match decision {
+        Some(ApprovalDecision::AllowConversation) => {
+            Some(("CONVERSATION", Some(conversation_id), None))
+        }
+        Some(ApprovalDecision::AllowAlways) => {
+            Some(("ALWAYS", None, Some(actor.principal.clone())))
+        }
+        _ => None,
+    };
+    if let (Some((scope, conversation, principal)), Some(tool)) = (scope, tool_name) {
+        grant::ActiveModel {
+            id: Set(Uuid::now_v7()),
+            tenant: Set(actor.tenant.clone()),
+            scope: Set(scope.to_owned()),
+            conversation_id: Set(conversation),
+            principal: Set(principal),
+            tool: Set(tool),
+            interaction_id: Set(interaction_id),
+            created_at: Set(now),
+        }
+        .insert(&*tx)
+        .await?;
+    }
+    let resolved = match wanted {
+        InteractionKind::Question => EventKind::QuestionAnswered,
+        InteractionKind::Approval => EventKind::ApprovalDecided,
+        InteractionKind::Connection => EventKind::ConnectionCompleted,
+    };
+    let mut events = vec![interaction_event(resolved, run_id, interaction_id)];
+    let run_row = resume_parked(&tx, run_row, &mut events).await?;
+    tx.append(&conversation, events).await?;
+    store.commit(tx).await?;
+    Ok((run_row, true))
+}
+
+/// A run parked for a person goes back to the queue (a worker running it
+/// takes the resolution itself).
+async fn resume_parked(
+    tx: &WriteTx,
+    run_row: run::Model,
+    events: &mut Vec<NewEvent>,
+) -> Result<run::Model> {
+    let status = reads::run_status(&run_row)?;
+    if !status.is_waiting() {
+        return Ok(run_row);
+    }
+    let to = transition(status, RunInput::Resume).map_err(|e| Error::Conflict(e.to_string()))?;
+    let run_id = run_row.id;
+    let mut active: run::ActiveModel = run_row.into();
+    active.status = Set(to.as_str().to_owned());
+    let saved = active.update(&**tx).await?;
+    events.extend(NewEvent::run_status(run_id, to));
+    Ok(saved)
+}
+
+/// Expires the pending interactions that are due, each in its own
+/// transaction with its resolving event (the interaction reads `EXPIRED`)
+/// and the re-queue of a parked run, which then goes on without them.
+/// Returns how many expired.
+pub async fn expire_due(store: &Store) -> Result<usize> {
+    let due = interaction::Entity::find()
+        .filter(interaction::Column::Status.eq(InteractionStatus::Pending.as_str()))
+        .filter(interaction::Column::ExpiresAt.lte(now_millis()))
+        .all(store.db())
+        .await?;
+    let mut expired = 0;
+    for found in due {
+        let mut tx = store.begin_write().await?;
+        let conversation = tx
+            .lock_conversation(found.conversation_id, &found.tenant)
+            .await?;
+        let updated = interaction::Entity::update_many()
+            .col_expr(
+                interaction::Column::Status,
+                sea_orm::sea_query::Expr::value(InteractionStatus::Expired.as_str()),
+            )
+            .col_expr(
+                interaction::Column::ResolvedAt,
+                sea_orm::sea_query::Expr::value(now_millis()),
+            )
+            .filter(interaction::Column::Id.eq(found.id))
+            .filter(interaction::Column::Status.eq(InteractionStatus::Pending.as_str()))
+            .exec(&*tx)
+            .await?;
+        if updated.rows_affected != 1 {
+            continue;
+        }
+        let kind = match kind_of(&found)? {
+            InteractionKind::Question => EventKind::QuestionAnswered,
+            InteractionKind::Approval => EventKind::ApprovalDecided,
+            InteractionKind::Connection => EventKind::ConnectionCompleted,
+        };
+        let mut events = vec![interaction_event(kind, found.run_id, found.id)];
+        if let Some(run_row) = run::Entity::find_by_id(found.run_id).one(&*tx).await? {
+            resume_parked(&tx, run_row, &mut events).await?;
+        }
+        tx.append(&conversation, events).await?;
+        store.commit(tx).await?;
+        expired += 1;
+    }
+    Ok(expired)
+}
