@@ -711,3 +711,50 @@ async fn another_tenant_can_neither_see_nor_resolve_interactions() {
     assert!(pending_question(&server, &token, &asked).await.is_object());
     assert_eq!(pending_approvals(&server, &token, &gated).await.len(), 1);
 }
+
+#[tokio::test]
+async fn two_workers_racing_to_resume_a_decided_run_execute_it_once() {
+    let downstream = Downstream::start().await;
+    let server = Server::start_workers(&config(&downstream)).await;
+    let _second_worker = server.companion("worker").await;
+    let token = server.token("acme", "ada");
+    let mut waiting = Vec::new();
+    for i in 0..4 {
+        let conversation = server.create_conversation(&token).await;
+        let (_, run) = server
+            .send(
+                &token,
+                &conversation,
+                &format!("/tool publish {{\"text\": \"{i}\"}}"),
+            )
+            .await;
+        waiting.push(run);
+    }
+    let mut interactions = Vec::new();
+    for run in &waiting {
+        status_becomes(&server, &token, run, "WAITING_FOR_APPROVAL").await;
+        let approval = &pending_approvals(&server, &token, run).await[0];
+        interactions.push(approval["interactionId"].as_str().unwrap().to_owned());
+    }
+    for interaction in &interactions {
+        decide(&server, &token, interaction, "ALLOW_ONCE").await;
+    }
+    for run in &waiting {
+        assert_eq!(
+            server.wait_until_ended(&token, run).await["status"],
+            "COMPLETED"
+        );
+        assert_eq!(tool_calls(&server, &token, run).await[0]["attempt"], 1);
+    }
+    let mut texts: Vec<String> = downstream
+        .requests()
+        .iter()
+        .map(|r| r.body["text"].as_str().unwrap().to_owned())
+        .collect();
+    texts.sort();
+    assert_eq!(
+        texts,
+        ["0", "1", "2", "3"],
+        "each decided call ran exactly once"
+    );
+}
