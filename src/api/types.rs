@@ -498,6 +498,20 @@ impl ApprovalPart {
         Ok(interactions::decision_of(&self.0.0)?)
     }
 
+    /// Who decided (the audit of a decision, with `decidedAt`).
+    async fn decided_by(&self) -> Option<&str> {
+        self.0.0.resolved_by.as_deref()
+    }
+
+    async fn decided_at(&self) -> Option<DateTime> {
+        self.0
+            .0
+            .resolved_by
+            .as_ref()
+            .and(self.0.0.resolved_at)
+            .map(DateTime)
+    }
+
     async fn status(&self) -> ApiResult<InteractionStatus> {
         self.0.status()
     }

@@ -247,7 +247,8 @@ pub async fn interaction<C: ConnectionTrait>(
     owned::<interaction::Entity, _>(db, interaction::Column::Tenant, tenant, id).await
 }
 
-/// A run's interactions of one kind and status, oldest (batch order) first.
+/// A run's interactions of one kind and status, in the order of their tool
+/// calls (the calls of a batch open theirs concurrently).
 pub async fn interactions_of_run<C: ConnectionTrait>(
     db: &C,
     tenant: &str,
@@ -255,14 +256,20 @@ pub async fn interactions_of_run<C: ConnectionTrait>(
     kind: &str,
     status: &str,
 ) -> Result<Vec<interaction::Model>> {
-    Ok(interaction::Entity::find()
+    let mut rows = interaction::Entity::find()
         .filter(interaction::Column::Tenant.eq(tenant))
         .filter(interaction::Column::RunId.eq(run_id))
         .filter(interaction::Column::Kind.eq(kind))
         .filter(interaction::Column::Status.eq(status))
-        .order_by(interaction::Column::Id, Order::Asc)
         .all(db)
-        .await?)
+        .await?;
+    let order: HashMap<Uuid, (i32, i32)> = tool_calls_of_run(db, tenant, run_id)
+        .await?
+        .into_iter()
+        .map(|call| (call.id, (call.step, call.idx)))
+        .collect();
+    rows.sort_by_key(|row| order.get(&row.tool_call_id).copied());
+    Ok(rows)
 }
 
 /// The interaction a QUESTION or APPROVAL part shows.

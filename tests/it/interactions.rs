@@ -346,6 +346,24 @@ async fn each_decision_does_what_it_says_and_gated_tools_never_run_without_one()
         requests[0].key.as_deref(),
         calls[0]["idempotencyKey"].as_str()
     );
+    let audit = server
+        .gql(
+            &token,
+            "query($c: ID!) { conversation(id: $c) { messages { parts { kind approval { decision decidedBy decidedAt } } } } }",
+            json!({ "c": conversation }),
+        )
+        .await;
+    let approval_part = audit["conversation"]["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|m| m["parts"].as_array().unwrap())
+        .find(|p| p["kind"] == "APPROVAL")
+        .unwrap()
+        .clone();
+    assert_eq!(approval_part["approval"]["decision"], "ALLOW_ONCE");
+    assert_eq!(approval_part["approval"]["decidedBy"], "ada");
+    assert!(approval_part["approval"]["decidedAt"].is_string());
     let again = decide(&server, &token, &interaction, "ALLOW_ONCE").await;
     assert_eq!(again["data"]["decideApproval"]["resumed"], false, "{again}");
     let other = decide(&server, &token, &interaction, "DENY").await;
@@ -757,4 +775,74 @@ async fn two_workers_racing_to_resume_a_decided_run_execute_it_once() {
         ["0", "1", "2", "3"],
         "each decided call ran exactly once"
     );
+}
+
+#[tokio::test]
+async fn a_decision_made_while_other_calls_run_is_applied_without_waiting_for_them() {
+    let downstream = Downstream::start().await;
+    // The slow call answers only once a second request has arrived: the
+    // approved call's. Applied only after the batch parked, it never would.
+    downstream.slow_until(2);
+    let mut config = config(&downstream);
+    config.push_str(&format!(
+        "\n[[tools]]\nname = \"slow\"\ndescription = \"Slow\"\ninput_schema = {{ type = \"object\" }}\nrecovery = \"idempotent\"\nhttp = {{ url = \"{}/slow\" }}\n",
+        downstream.base
+    ));
+    let config = config.replace(
+        "tools = [\"ask_questions\", \"demo_publish\", \"publish\", \"effect\"]",
+        "tools = [\"ask_questions\", \"demo_publish\", \"publish\", \"effect\", \"slow\"]",
+    );
+    let server = Server::start_workers(&config).await;
+    let token = server.token("acme", "ada");
+    let conversation = server.create_conversation(&token).await;
+    let (_, run) = server
+        .send(
+            &token,
+            &conversation,
+            "/tool slow {}\n/tool publish {\"text\": \"now\"}",
+        )
+        .await;
+    downstream
+        .wait_for("the slow request", |d| d.requests().len() == 1)
+        .await;
+    let approval = loop {
+        let approvals = pending_approvals(&server, &token, &run).await;
+        if let Some(first) = approvals.first() {
+            break first.clone();
+        }
+        tokio::task::yield_now().await;
+    };
+    let run_now = server
+        .gql(
+            &token,
+            "query($r: ID!) { run(id: $r) { status } }",
+            json!({ "r": run }),
+        )
+        .await;
+    assert_eq!(
+        run_now["run"]["status"], "RUNNING",
+        "the slow call still runs"
+    );
+    let decided = decide(
+        &server,
+        &token,
+        approval["interactionId"].as_str().unwrap(),
+        "ALLOW_ONCE",
+    )
+    .await;
+    assert_eq!(
+        decided["data"]["decideApproval"]["resumed"], true,
+        "{decided}"
+    );
+    assert_eq!(
+        server.wait_until_ended(&token, &run).await["status"],
+        "COMPLETED"
+    );
+    let outcomes: Vec<Value> = tool_calls(&server, &token, &run)
+        .await
+        .iter()
+        .map(|c| c["outcome"].clone())
+        .collect();
+    assert_eq!(outcomes, [json!("SUCCEEDED"), json!("SUCCEEDED")]);
+    assert_eq!(downstream.requests().len(), 2);
 }
