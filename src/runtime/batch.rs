@@ -129,18 +129,7 @@ impl Runner<'_> {
                 ToolCallStatus::Awaiting => {
                     interactions::take_decision(store, lease, call.id).await?;
                 }
-                _ => {
-                    tool_calls::start(store, lease, call.id, false).await?;
-                    tool_calls::complete(
-                        store,
-                        lease,
-                        call.id,
-                        false,
-                        &output,
-                        self.max_inline_bytes,
-                    )
-                    .await?;
-                }
+                _ => self.fail_at_once(call, &output).await?,
             }
             batch.settle();
             return Ok(false);
@@ -171,17 +160,8 @@ impl Runner<'_> {
                         interactions::ask(store, lease, call, &specs, ttl).await?;
                     }
                     Err(problem) => {
-                        tool_calls::start(store, lease, call.id, false).await?;
-                        let output = json!({ "error": problem });
-                        tool_calls::complete(
-                            store,
-                            lease,
-                            call.id,
-                            false,
-                            &output,
-                            self.max_inline_bytes,
-                        )
-                        .await?;
+                        self.fail_at_once(call, &json!({ "error": problem }))
+                            .await?;
                     }
                 }
                 batch.settle();
@@ -201,6 +181,22 @@ impl Runner<'_> {
         let result = self.effect(call, tool, input, replay, waited, batch).await;
         batch.settle();
         result.map(|()| false)
+    }
+
+    /// A call that cannot run ends `FAILED` with `output` (started and
+    /// finished in two commits, with no effect between them).
+    async fn fail_at_once(&self, call: &tool_call::Model, output: &Value) -> store::Result<()> {
+        tool_calls::start(self.store, self.lease, call.id, false).await?;
+        tool_calls::complete(
+            self.store,
+            self.lease,
+            call.id,
+            false,
+            output,
+            self.max_inline_bytes,
+        )
+        .await?;
+        Ok(())
     }
 
     /// Waits for a person's decision on a waiting call while other calls

@@ -353,23 +353,7 @@ pub async fn park(
     let to = transition(RunStatus::Running, RunInput::Park(waiting))
         .map_err(|e| Error::Conflict(e.to_string()))?;
     let now = now_millis();
-    let mut events = Vec::new();
-    if end_step {
-        events.push(NewEvent {
-            kind: EventKind::RunCheckpointed,
-            run_id: Some(row.id),
-            body: EventBody::Run {
-                status: RunStatus::Running,
-            },
-        });
-    }
-    if usage.input_tokens != row.input_tokens || usage.output_tokens != row.output_tokens {
-        events.push(NewEvent {
-            kind: EventKind::UsageUpdated,
-            run_id: Some(row.id),
-            body: EventBody::Usage { usage },
-        });
-    }
+    let events = runs::step_events(&row, usage, end_step);
     let active_ms = row.active_ms + (now - row.claimed_at.unwrap_or(now)).max(0);
     let steps = row.steps + i32::from(end_step);
     let mut active: run::ActiveModel = row.into();
@@ -389,20 +373,36 @@ pub async fn park(
 
 /// Closes the pending interactions of an ending run (`CANCELLED`).
 pub(crate) async fn cancel_pending(tx: &WriteTx, row: &run::Model) -> Result<()> {
-    interaction::Entity::update_many()
+    close_pending(
+        tx,
+        interaction::Column::RunId.eq(row.id),
+        InteractionStatus::Cancelled,
+    )
+    .await?;
+    Ok(())
+}
+
+/// Moves the pending interactions `which` selects to `to`; returns how many
+/// moved.
+async fn close_pending(
+    tx: &WriteTx,
+    which: sea_orm::sea_query::SimpleExpr,
+    to: InteractionStatus,
+) -> Result<u64> {
+    let closed = interaction::Entity::update_many()
         .col_expr(
             interaction::Column::Status,
-            sea_orm::sea_query::Expr::value(InteractionStatus::Cancelled.as_str()),
+            sea_orm::sea_query::Expr::value(to.as_str()),
         )
         .col_expr(
             interaction::Column::ResolvedAt,
             sea_orm::sea_query::Expr::value(now_millis()),
         )
-        .filter(interaction::Column::RunId.eq(row.id))
+        .filter(which)
         .filter(interaction::Column::Status.eq(InteractionStatus::Pending.as_str()))
         .exec(&**tx)
         .await?;
-    Ok(())
+    Ok(closed.rows_affected)
 }
 
 /// How a person resolves an interaction.
@@ -573,20 +573,13 @@ pub async fn expire_due(store: &Store) -> Result<usize> {
         let conversation = tx
             .lock_conversation(found.conversation_id, &found.tenant)
             .await?;
-        let updated = interaction::Entity::update_many()
-            .col_expr(
-                interaction::Column::Status,
-                sea_orm::sea_query::Expr::value(InteractionStatus::Expired.as_str()),
-            )
-            .col_expr(
-                interaction::Column::ResolvedAt,
-                sea_orm::sea_query::Expr::value(now_millis()),
-            )
-            .filter(interaction::Column::Id.eq(found.id))
-            .filter(interaction::Column::Status.eq(InteractionStatus::Pending.as_str()))
-            .exec(&*tx)
-            .await?;
-        if updated.rows_affected != 1 {
+        let expired_now = close_pending(
+            &tx,
+            interaction::Column::Id.eq(found.id),
+            InteractionStatus::Expired,
+        )
+        .await?;
+        if expired_now != 1 {
             continue;
         }
         let kind = match kind_of(&found)? {

@@ -187,20 +187,7 @@ pub async fn begin(store: &Store, lease: &Lease) -> Result<Begun> {
 pub async fn end_step(store: &Store, lease: &Lease, usage: Usage) -> Result<(OpenPart, Cursor)> {
     let (mut tx, conversation, row) = open(store, lease).await?;
     let message_id = assistant_message(&tx, &row).await?;
-    let mut events = vec![NewEvent {
-        kind: EventKind::RunCheckpointed,
-        run_id: Some(row.id),
-        body: EventBody::Run {
-            status: RunStatus::Running,
-        },
-    }];
-    if usage.input_tokens != row.input_tokens || usage.output_tokens != row.output_tokens {
-        events.push(NewEvent {
-            kind: EventKind::UsageUpdated,
-            run_id: Some(row.id),
-            body: EventBody::Usage { usage },
-        });
-    }
+    let mut events = step_events(&row, usage, true);
     let mut active: run::ActiveModel = row.clone().into();
     active.steps = Set(row.steps + 1);
     active.attempt = Set(1);
@@ -240,6 +227,29 @@ async fn open_text_part(
         index,
         kind: PartKind::Text,
     })
+}
+
+/// `run.checkpointed` when a step ends, and `usage.updated` when the run's
+/// usage moved from what `row` has.
+pub(super) fn step_events(row: &run::Model, usage: Usage, step_ended: bool) -> Vec<NewEvent> {
+    let mut events = Vec::new();
+    if step_ended {
+        events.push(NewEvent {
+            kind: EventKind::RunCheckpointed,
+            run_id: Some(row.id),
+            body: EventBody::Run {
+                status: RunStatus::Running,
+            },
+        });
+    }
+    if usage.input_tokens != row.input_tokens || usage.output_tokens != row.output_tokens {
+        events.push(NewEvent {
+            kind: EventKind::UsageUpdated,
+            run_id: Some(row.id),
+            body: EventBody::Usage { usage },
+        });
+    }
+    events
 }
 
 /// The run's assistant message (made by its first `begin`).
@@ -339,25 +349,8 @@ pub async fn finish(
 ) -> Result<()> {
     let (mut tx, conversation, mut row) = open(store, lease).await?;
     let mut events = save_parts(&tx, &row, parts, PartState::Done).await?;
-    events.push(NewEvent {
-        kind: EventKind::RunCheckpointed,
-        run_id: Some(row.id),
-        body: EventBody::Run {
-            status: RunStatus::Running,
-        },
-    });
-    let usage_changed = ending.usage.input_tokens != row.input_tokens
-        || ending.usage.output_tokens != row.output_tokens;
+    events.extend(step_events(&row, ending.usage, true));
     apply_usage(&mut row, &ending);
-    if usage_changed {
-        events.push(NewEvent {
-            kind: EventKind::UsageUpdated,
-            run_id: Some(row.id),
-            body: EventBody::Usage {
-                usage: ending.usage,
-            },
-        });
-    }
     // The worker's open parts are all closed just above.
     let events = end_closed(&tx, row, ending.cause, ending.error, ending.reason, events).await?;
     tx.append(&conversation, events).await?;

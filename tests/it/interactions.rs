@@ -106,6 +106,18 @@ async fn decide(server: &Server, token: &str, interaction: &str, decision: &str)
         .1
 }
 
+/// Sends `text` and waits for the run to wait for approval; returns the run
+/// and the earliest pending interaction.
+async fn gated(server: &Server, token: &str, conversation: &str, text: &str) -> (String, String) {
+    let (_, run) = server.send(token, conversation, text).await;
+    status_becomes(server, token, &run, "WAITING_FOR_APPROVAL").await;
+    let interaction = pending_approvals(server, token, &run).await[0]["interactionId"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    (run, interaction)
+}
+
 fn good_answers() -> Value {
     json!([
         { "key": "color", "values": ["blue"] },
@@ -383,14 +395,13 @@ async fn each_decision_does_what_it_says_and_gated_tools_never_run_without_one()
 
     // DENY: the model gets a denied result; nothing runs.
     let conversation = server.create_conversation(&token).await;
-    let (_, run) = server
-        .send(&token, &conversation, "/tool publish {\"text\": \"no\"}")
-        .await;
-    status_becomes(&server, &token, &run, "WAITING_FOR_APPROVAL").await;
-    let interaction = pending_approvals(&server, &token, &run).await[0]["interactionId"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+    let (run, interaction) = gated(
+        &server,
+        &token,
+        &conversation,
+        "/tool publish {\"text\": \"no\"}",
+    )
+    .await;
     decide(&server, &token, &interaction, "DENY").await;
     assert_eq!(
         server.wait_until_ended(&token, &run).await["status"],
@@ -404,14 +415,13 @@ async fn each_decision_does_what_it_says_and_gated_tools_never_run_without_one()
 
     // ALLOW_CONVERSATION: the next call in that conversation runs without
     // asking; a new conversation asks again.
-    let (_, run) = server
-        .send(&token, &conversation, "/tool publish {\"text\": \"one\"}")
-        .await;
-    status_becomes(&server, &token, &run, "WAITING_FOR_APPROVAL").await;
-    let interaction = pending_approvals(&server, &token, &run).await[0]["interactionId"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+    let (run, interaction) = gated(
+        &server,
+        &token,
+        &conversation,
+        "/tool publish {\"text\": \"one\"}",
+    )
+    .await;
     decide(&server, &token, &interaction, "ALLOW_CONVERSATION").await;
     assert_eq!(
         server.wait_until_ended(&token, &run).await["status"],
@@ -499,14 +509,13 @@ async fn two_concurrent_decisions_one_wins_and_the_call_runs_at_most_once() {
     let server = Server::start_workers(&config(&downstream)).await;
     let token = server.token("acme", "ada");
     let conversation = server.create_conversation(&token).await;
-    let (_, run) = server
-        .send(&token, &conversation, "/tool publish {\"text\": \"race\"}")
-        .await;
-    status_becomes(&server, &token, &run, "WAITING_FOR_APPROVAL").await;
-    let interaction = pending_approvals(&server, &token, &run).await[0]["interactionId"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+    let (run, interaction) = gated(
+        &server,
+        &token,
+        &conversation,
+        "/tool publish {\"text\": \"race\"}",
+    )
+    .await;
     let (a, b) = tokio::join!(
         decide(&server, &token, &interaction, "ALLOW_ONCE"),
         decide(&server, &token, &interaction, "DENY"),
