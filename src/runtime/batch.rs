@@ -134,10 +134,15 @@ impl Runner<'_> {
             batch.settle();
             return Ok(false);
         };
+        let mut approved = false;
         let waited = match status {
             ToolCallStatus::Awaiting => true,
             ToolCallStatus::Requested if tool.risk.is_some() => {
-                if interactions::granted(store, self.run, &tool.name).await? {
+                if interactions::approved(store, call.id).await? {
+                    // Allowed and claimed by an earlier claim of the run.
+                    approved = true;
+                    false
+                } else if interactions::granted(store, self.run, &tool.name).await? {
                     false
                 } else {
                     let request = ApprovalRequest {
@@ -171,14 +176,16 @@ impl Runner<'_> {
         };
         if waited {
             match self.decision(call, batch).await? {
-                Decided::Run => {}
+                Decided::Run => failpoints::hit("after_decision_taken"),
                 Decided::Settled => return Ok(false),
                 // Nothing else of the batch is on its way: the run parks.
                 Decided::Pending => return Ok(true),
             }
         }
         let replay = status == ToolCallStatus::Executing;
-        let result = self.effect(call, tool, input, replay, waited, batch).await;
+        let result = self
+            .effect(call, tool, input, replay, waited || approved, batch)
+            .await;
         batch.settle();
         result.map(|()| false)
     }

@@ -251,6 +251,21 @@ pub async fn granted(store: &Store, run: &run::Model, tool: &str) -> Result<bool
     }))
 }
 
+/// Whether a person allowed this call and its run already took the
+/// decision (a claim cut off before the call started resumes here).
+pub async fn approved(store: &Store, call_id: Uuid) -> Result<bool> {
+    let found = interaction::Entity::find()
+        .filter(interaction::Column::ToolCallId.eq(call_id))
+        .filter(interaction::Column::Status.eq(InteractionStatus::Resolved.as_str()))
+        .filter(interaction::Column::ClaimedAt.is_not_null())
+        .one(store.db())
+        .await?;
+    Ok(match found {
+        Some(row) => !matches!(decision_of(&row)?, None | Some(ApprovalDecision::Deny)),
+        None => false,
+    })
+}
+
 /// What a waiting call may do now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Decided {

@@ -855,3 +855,43 @@ async fn a_decision_made_while_other_calls_run_is_applied_without_waiting_for_th
     assert_eq!(outcomes, [json!("SUCCEEDED"), json!("SUCCEEDED")]);
     assert_eq!(downstream.requests().len(), 2);
 }
+
+#[tokio::test]
+async fn a_crash_right_after_the_decision_is_taken_runs_the_call_once_without_asking_again() {
+    let downstream = Downstream::start().await;
+    let mut server = Server::start_with(ServerOptions {
+        config: config(&downstream),
+        env: vec![(
+            "TETHER_FAILPOINTS".into(),
+            "after_decision_taken=abort".into(),
+        )],
+        role: "all",
+    })
+    .await;
+    let token = server.token("acme", "ada");
+    let conversation = server.create_conversation(&token).await;
+    let (run, interaction) = gated(
+        &server,
+        &token,
+        &conversation,
+        "/tool publish {\"text\": \"once\"}",
+    )
+    .await;
+    decide(&server, &token, &interaction, "ALLOW_ONCE").await;
+    assert!(!server.exited().await.success(), "the failpoint aborted");
+    server.restart(&[("TETHER_FAILPOINTS", "")]).await;
+    assert_eq!(
+        server.wait_until_ended(&token, &run).await["status"],
+        "COMPLETED"
+    );
+    assert!(pending_approvals(&server, &token, &run).await.is_empty());
+    let calls = tool_calls(&server, &token, &run).await;
+    assert_eq!(calls[0]["outcome"], "SUCCEEDED");
+    assert_eq!(downstream.requests().len(), 1);
+    let events = server.all_events(&token, &conversation).await;
+    assert_eq!(
+        of_type(&events, "approval.requested").len(),
+        1,
+        "asked once"
+    );
+}
