@@ -281,6 +281,17 @@ pub enum Decided {
 /// interaction is claimed with a compare-and-set, and the call moves
 /// (allowed: back to `REQUESTED`; denied: `DENIED`; expired: `EXPIRED`).
 pub async fn take_decision(store: &Store, lease: &Lease, call_id: Uuid) -> Result<Decided> {
+    // Looked at without a write transaction first: a waiting call asks
+    // often while the rest of its batch runs.
+    let still_pending = interaction::Entity::find()
+        .filter(interaction::Column::ToolCallId.eq(call_id))
+        .filter(interaction::Column::Status.eq(InteractionStatus::Pending.as_str()))
+        .one(store.db())
+        .await?
+        .is_some();
+    if still_pending {
+        return Ok(Decided::Pending);
+    }
     let (mut tx, conversation, row) = open(store, lease).await?;
     let found = interaction::Entity::find()
         .filter(interaction::Column::ToolCallId.eq(call_id))
