@@ -69,7 +69,10 @@ impl From<store::Error> for ApiError {
             store::Error::Conflict(message) => ApiError::Conflict(message),
             store::Error::Invalid { key, message } => ApiError::BadInput { key, message },
             store::Error::Forbidden(message) => ApiError::Forbidden(message),
-            err @ (store::Error::Database(_) | store::Error::Corrupt(_) | store::Error::Fenced) => {
+            err @ (store::Error::Database(_)
+            | store::Error::Corrupt(_)
+            | store::Error::Fenced
+            | store::Error::CancelRequested) => {
                 tracing::error!(error = %err, "store failure");
                 ApiError::Internal
             }

@@ -9,6 +9,7 @@ use super::types::{
 };
 use crate::domain::cursor::Cursor;
 use crate::domain::interaction::{InteractionKind, InteractionStatus};
+use crate::domain::time::now_millis;
 use crate::store::reads;
 
 pub struct Query;
@@ -212,7 +213,13 @@ async fn pending(
         InteractionStatus::Pending.as_str(),
     )
     .await?;
-    Ok(rows.into_iter().map(Interaction).collect())
+    // Past its time it is no longer pending, even before the sweeper says so.
+    let now = now_millis();
+    Ok(rows
+        .into_iter()
+        .filter(|row| row.expires_at > now)
+        .map(Interaction)
+        .collect())
 }
 
 async fn approvals(ctx: &Context<'_>, run_id: &ID) -> ApiResult<Vec<PendingApproval>> {

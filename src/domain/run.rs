@@ -57,16 +57,6 @@ impl RunStatus {
         )
     }
 
-    /// Waiting for a person (no worker holds it until they answer).
-    pub fn is_waiting(self) -> bool {
-        matches!(
-            self,
-            RunStatus::WaitingForQuestion
-                | RunStatus::WaitingForApproval
-                | RunStatus::WaitingForConnection
-        )
-    }
-
     /// The statuses that have not ended, for queries that look for them.
     pub fn not_ended() -> impl Iterator<Item = RunStatus> {
         RunStatus::ALL.iter().copied().filter(|s| !s.is_ended())

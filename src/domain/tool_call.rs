@@ -48,6 +48,9 @@ pub struct ToolCallState {
 pub enum ToolInput {
     /// Its effect is about to start (committed before it does).
     Start,
+    /// It cannot run at all (its tool is gone, its input unusable): it fails
+    /// without starting.
+    Reject,
     /// The effect answered: success or a failure the model can read.
     Finish { succeeded: bool },
     /// It needs a person (approval, question, connection) first.
@@ -103,6 +106,7 @@ impl ToolCallState {
         use ToolCallStatus::*;
         let next = match (self.status, input) {
             (Requested, ToolInput::Start) => self.executing(),
+            (Requested, ToolInput::Reject) => self.completed(ToolOutcome::Failed),
             (Executing, ToolInput::Finish { succeeded: true }) => {
                 self.completed(ToolOutcome::Succeeded)
             }
@@ -210,6 +214,7 @@ mod tests {
     fn inputs() -> Vec<ToolInput> {
         vec![
             ToolInput::Start,
+            ToolInput::Reject,
             ToolInput::Finish { succeeded: true },
             ToolInput::Finish { succeeded: false },
             ToolInput::Await,
@@ -298,7 +303,7 @@ mod tests {
 
     proptest! {
         #[test]
-        fn random_inputs_keep_the_invariants(picks in proptest::collection::vec(0usize..10, 0..40)) {
+        fn random_inputs_keep_the_invariants(picks in proptest::collection::vec(0usize..11, 0..40)) {
             let all = inputs();
             let mut state = ToolCallState::REQUESTED;
             for pick in picks {

@@ -127,7 +127,7 @@ impl Runner<'_> {
                     tool_calls::indeterminate(store, lease, call.id, Some(output)).await?;
                 }
                 ToolCallStatus::Awaiting => {
-                    interactions::take_decision(store, lease, call.id).await?;
+                    interactions::abandon_waiting(store, lease, call.id, output).await?;
                 }
                 _ => self.fail_at_once(call, &output).await?,
             }
@@ -190,15 +190,12 @@ impl Runner<'_> {
         result.map(|()| false)
     }
 
-    /// A call that cannot run ends `FAILED` with `output` (started and
-    /// finished in two commits, with no effect between them).
+    /// A call that cannot run ends `FAILED` with `output`, never started.
     async fn fail_at_once(&self, call: &tool_call::Model, output: &Value) -> store::Result<()> {
-        tool_calls::start(self.store, self.lease, call.id, false).await?;
-        tool_calls::complete(
+        tool_calls::reject(
             self.store,
             self.lease,
             call.id,
-            false,
             output,
             self.max_inline_bytes,
         )

@@ -159,6 +159,7 @@ async fn drive(
     // A batch of tool calls that an earlier claim left unfinished is
     // finished, from its committed facts, before the model hears anything.
     if begun.part.is_none() {
+        attempt.said = runs::step_text(store, run.id, step).await?;
         let calls = tool_calls::of_step(store, run.id, step).await?;
         match steps.finish_batch(&calls, step, attempt).await? {
             Next::Step(next) => attempt = next,
@@ -173,6 +174,12 @@ async fn drive(
         }
         step += 1;
     }
+}
+
+/// Why a batch stopped before its calls were done.
+enum Cut {
+    Stop(Stop),
+    Timeout,
 }
 
 /// What comes after a step: another one, or nothing (the run ended, was
@@ -348,6 +355,7 @@ impl Steps<'_> {
         .await?;
         failpoints::hit("after_tools_requested");
         // The step's parts are closed now.
+        attempt.said = attempt.text();
         attempt.parts.clear();
         attempt.cursor = cursor;
         Ok((!ended).then_some(calls))
@@ -374,24 +382,35 @@ impl Steps<'_> {
         };
         let mut calls = calls.to_vec();
         loop {
-            let waited = {
+            let outcome = {
                 let work = runner.run(&calls);
                 tokio::pin!(work);
                 loop {
                     tokio::select! {
-                        done = &mut work => break done?,
+                        done = &mut work => break Ok(done),
                         () = self.control.token.cancelled(), if self.control.reason() != Some(Stop::Shutdown) => {
                             let stop = self.control.reason().unwrap_or(Stop::Cancelled);
                             if stop == Stop::Shutdown {
                                 // The calls finish first (see below).
                                 continue;
                             }
-                            // Dropping the work aborts the running requests.
-                            return self.stop(stop, &attempt, step).await;
+                            break Err(Cut::Stop(stop));
                         }
-                        () = sleep_until(self.deadline) => return self.timed_out(&attempt, step).await,
+                        () = sleep_until(self.deadline) => break Err(Cut::Timeout),
                     }
                 }
+            };
+            // The batch's work is dropped by now: its open transactions have
+            // rolled back and its requests are closed, so the ending below
+            // cannot wait on a lock that work still holds.
+            let waited = match outcome {
+                Ok(Ok(waited)) => waited,
+                Ok(Err(store::Error::CancelRequested)) | Err(Cut::Stop(Stop::Cancelled)) => {
+                    return self.stop(Stop::Cancelled, &attempt, step).await;
+                }
+                Ok(Err(err)) => return Err(err),
+                Err(Cut::Stop(stop)) => return self.stop(stop, &attempt, step).await,
+                Err(Cut::Timeout) => return self.timed_out(&attempt, step).await,
             };
             if !waited {
                 break;
@@ -399,8 +418,13 @@ impl Steps<'_> {
             // Calls wait for decisions and nothing else runs: the run parks,
             // unless a decision came in meanwhile.
             let usage = attempt.usage(agent);
-            if interactions::park(store, lease, Waiting::Approval, usage, false).await? {
-                return Ok(Next::Over);
+            match interactions::park(store, lease, Waiting::Approval, usage, false).await {
+                Ok(true) => return Ok(Next::Over),
+                Ok(false) => {}
+                Err(store::Error::CancelRequested) => {
+                    return self.stop(Stop::Cancelled, &attempt, step).await;
+                }
+                Err(err) => return Err(err),
             }
             calls = tool_calls::of_step(store, self.run.id, step).await?;
         }
@@ -425,8 +449,15 @@ impl Steps<'_> {
         let asked = all
             .iter()
             .any(|c| c.step == step && c.name == ASK_QUESTIONS);
-        if asked && interactions::park(store, lease, Waiting::Question, usage, true).await? {
-            return Ok(Next::Over);
+        if asked {
+            match interactions::park(store, lease, Waiting::Question, usage, true).await {
+                Ok(true) => return Ok(Next::Over),
+                Ok(false) => {}
+                Err(store::Error::CancelRequested) => {
+                    return self.stop(Stop::Cancelled, &attempt, step + 1).await;
+                }
+                Err(err) => return Err(err),
+            }
         }
         let (part, cursor) = runs::end_step(store, lease, usage).await?;
         failpoints::hit("after_step");
@@ -492,7 +523,14 @@ impl Steps<'_> {
             delay_ms: delay.as_millis() as i64,
             error,
         };
-        runs::schedule_retry(store, lease, &attempt.texts(), retry).await?;
+        match runs::schedule_retry(store, lease, &attempt.texts(), retry).await {
+            Ok(_) => {}
+            Err(store::Error::CancelRequested) => {
+                let ending = ended(EndCause::Cancelled, usage, step);
+                return end(store, lease, attempt, ending).await;
+            }
+            Err(err) => return Err(err),
+        }
         failpoints::hit("after_retry_scheduled");
         // Any worker claims it when due (polling covers a crash); this one
         // wakes its own process right on time.
@@ -585,6 +623,9 @@ struct Attempt {
     parts: Vec<Streaming>,
     /// The signature that closes the reasoning part.
     signature: Option<String>,
+    /// What the model said in this step in parts already closed (a step
+    /// that asked for tools), for `content_match`.
+    said: String,
     calls: Vec<AskedCall>,
     /// The newest persisted cursor, carried by live deltas.
     cursor: Cursor,
@@ -623,6 +664,7 @@ impl Attempt {
             message_id: begun.message_id,
             parts: begun.part.into_iter().map(Streaming::new).collect(),
             signature: None,
+            said: String::new(),
             calls: Vec::new(),
             cursor: begun.cursor,
             input_tokens: 0,
@@ -638,6 +680,7 @@ impl Attempt {
             message_id: part.message_id,
             parts: vec![Streaming::new(part)],
             signature: None,
+            said: String::new(),
             calls: Vec::new(),
             cursor,
             input_tokens: 0,
@@ -670,13 +713,15 @@ impl Attempt {
             .collect()
     }
 
-    /// What the model said in this attempt (its text parts).
+    /// What the model said in this step (its text parts).
     fn text(&self) -> String {
-        self.parts
-            .iter()
-            .filter(|s| s.part.kind == PartKind::Text)
-            .map(|s| s.text.as_str())
-            .collect()
+        let mut text = self.said.clone();
+        for streaming in &self.parts {
+            if streaming.part.kind == PartKind::Text {
+                text.push_str(&streaming.text);
+            }
+        }
+        text
     }
 
     fn saved(&mut self) {

@@ -15,6 +15,7 @@ use std::time::Duration;
 use tokio::sync::{Notify, Semaphore};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::AbortOnDropHandle;
 use uuid::Uuid;
 
 use crate::config::FileConfig;
@@ -213,6 +214,9 @@ async fn hold(
             }
         })
     };
+    // Aborted however the execution ends (a panic, or the task aborted at
+    // the end of the shutdown grace): a lease nobody works under must run
+    // out so that the run is recovered.
+    let _heartbeat = AbortOnDropHandle::new(heartbeat);
     engine::execute(store, config, tools, claimed, control).await;
-    heartbeat.abort();
 }

@@ -1,7 +1,10 @@
 //! The API's writes: each is one transaction that changes state and appends
 //! the events reporting it.
 
-use sea_orm::{ActiveModelTrait, ActiveValue::Set, ColumnTrait, EntityTrait, QueryFilter};
+use sea_orm::{
+    ActiveModelTrait, ActiveValue::Set, ColumnTrait, EntityTrait, QueryFilter, QueryOrder,
+    QuerySelect,
+};
 use uuid::Uuid;
 
 use super::entities::{conversation, message, part, run};
@@ -96,7 +99,16 @@ pub async fn send_message(
             }
         }
         ActiveRunStrategy::Interrupt => {
-            let active = reads::unended_runs(&*tx, &actor.tenant, conversation.id).await?;
+            // Locked: a claim that commits meanwhile (claims take no
+            // conversation lock) is seen before its epoch is moved on.
+            let active = run::Entity::find()
+                .filter(run::Column::Tenant.eq(actor.tenant.as_str()))
+                .filter(run::Column::ConversationId.eq(conversation.id))
+                .filter(run::Column::Status.is_in(RunStatus::not_ended().map(RunStatus::as_str)))
+                .order_by_asc(run::Column::Id)
+                .lock_exclusive()
+                .all(&*tx)
+                .await?;
             // Ended here and now, also a running one: its epoch moves on, so
             // its worker's next commit is fenced and it stops.
             for row in active {
@@ -205,8 +217,10 @@ pub async fn cancel_run(store: &Store, actor: &Actor, run_id: Uuid) -> Result<ru
     let conversation = tx
         .lock_conversation(found.conversation_id, &actor.tenant)
         .await?;
-    // Read again under the lock: the run may have moved since.
+    // Read again under the locks: the run may have moved since (claims take
+    // no conversation lock, hence the row's own).
     let row = run::Entity::find_by_id(run_id)
+        .lock_exclusive()
         .one(&*tx)
         .await?
         .ok_or(Error::NotFound)?;

@@ -237,6 +237,31 @@ pub async fn ask_approval(
     Ok(())
 }
 
+/// A waiting call that can no longer run (its tool is gone): its
+/// interaction closes (`CANCELLED`) and the call gets its one result,
+/// `NOT_STARTED` with `output`, in one transaction.
+pub async fn abandon_waiting(
+    store: &Store,
+    lease: &Lease,
+    call_id: Uuid,
+    output: Value,
+) -> Result<()> {
+    let (mut tx, conversation, row) = open(store, lease).await?;
+    close_pending(
+        &tx,
+        interaction::Column::ToolCallId.eq(call_id),
+        InteractionStatus::Cancelled,
+    )
+    .await?;
+    let (_, events) = change_in(&tx, &row, call_id, ToolInput::Cancel, |active, _| {
+        active.output = Set(Some(output));
+    })
+    .await?;
+    tx.append(&conversation, events).await?;
+    store.commit(tx).await?;
+    Ok(())
+}
+
 /// Whether a standing grant lets this tool run without asking.
 pub async fn granted(store: &Store, run: &run::Model, tool: &str) -> Result<bool> {
     let grants = grant::Entity::find()
@@ -356,6 +381,9 @@ pub async fn park(
     end_step: bool,
 ) -> Result<bool> {
     let (mut tx, conversation, row) = open(store, lease).await?;
+    if row.cancel_requested {
+        return Err(Error::CancelRequested);
+    }
     let kind = match waiting {
         Waiting::Question => InteractionKind::Question,
         Waiting::Approval => InteractionKind::Approval,
@@ -499,6 +527,15 @@ pub async fn resolve(
         .await?
         .ok_or(Error::NotFound)?;
     match status_of(&row)? {
+        InteractionStatus::Pending if row.expires_at <= now_millis() => {
+            // Past its time, even if no sweeper has seen it yet: it expires
+            // now, and the resolution is refused.
+            if let Some(events) = expire_in(&tx, &row).await? {
+                tx.append(&conversation, events).await?;
+                store.commit(tx).await?;
+            }
+            return Err(Error::Conflict("this interaction has expired".into()));
+        }
         InteractionStatus::Pending => {}
         InteractionStatus::Resolved if row.resolution.as_ref() == Some(&recorded) => {
             return Ok((run_row, false));
@@ -551,27 +588,33 @@ pub async fn resolve(
         .insert(&*tx)
         .await?;
     }
-    let resolved = match wanted {
-        InteractionKind::Question => EventKind::QuestionAnswered,
-        InteractionKind::Approval => EventKind::ApprovalDecided,
-        InteractionKind::Connection => EventKind::ConnectionCompleted,
-    };
-    let mut events = vec![interaction_event(resolved, run_id, interaction_id)];
-    let run_row = resume_parked(&tx, run_row, &mut events).await?;
+    let mut events = vec![interaction_event(
+        resolving_event(wanted),
+        run_id,
+        interaction_id,
+    )];
+    let run_row = resume_parked(&tx, run_row, wanted, &mut events).await?;
     tx.append(&conversation, events).await?;
     store.commit(tx).await?;
     Ok((run_row, true))
 }
 
-/// A run parked for a person goes back to the queue (a worker running it
-/// takes the resolution itself).
+/// A run parked for an interaction of `kind` goes back to the queue (a
+/// worker running it takes the resolution itself; a run parked for another
+/// kind finds it when that one is resolved).
 async fn resume_parked(
     tx: &WriteTx,
     run_row: run::Model,
+    kind: InteractionKind,
     events: &mut Vec<NewEvent>,
 ) -> Result<run::Model> {
     let status = reads::run_status(&run_row)?;
-    if !status.is_waiting() {
+    let waits_for_it = match kind {
+        InteractionKind::Question => status == RunStatus::WaitingForQuestion,
+        InteractionKind::Approval => status == RunStatus::WaitingForApproval,
+        InteractionKind::Connection => status == RunStatus::WaitingForConnection,
+    };
+    if !waits_for_it {
         return Ok(run_row);
     }
     let to = transition(status, RunInput::Resume).map_err(|e| Error::Conflict(e.to_string()))?;
@@ -595,31 +638,190 @@ pub async fn expire_due(store: &Store) -> Result<usize> {
         .await?;
     let mut expired = 0;
     for found in due {
-        let mut tx = store.begin_write().await?;
-        let conversation = tx
-            .lock_conversation(found.conversation_id, &found.tenant)
-            .await?;
-        let expired_now = close_pending(
-            &tx,
-            interaction::Column::Id.eq(found.id),
-            InteractionStatus::Expired,
-        )
-        .await?;
-        if expired_now != 1 {
-            continue;
+        // One that cannot be expired is logged; the others still are.
+        match expire_one(store, &found).await {
+            Ok(true) => expired += 1,
+            Ok(false) => {}
+            Err(err) => tracing::warn!(
+                interaction_id = %found.id,
+                error = %err,
+                "could not expire an interaction"
+            ),
         }
-        let kind = match kind_of(&found)? {
-            InteractionKind::Question => EventKind::QuestionAnswered,
-            InteractionKind::Approval => EventKind::ApprovalDecided,
-            InteractionKind::Connection => EventKind::ConnectionCompleted,
-        };
-        let mut events = vec![interaction_event(kind, found.run_id, found.id)];
-        if let Some(run_row) = run::Entity::find_by_id(found.run_id).one(&*tx).await? {
-            resume_parked(&tx, run_row, &mut events).await?;
-        }
-        tx.append(&conversation, events).await?;
-        store.commit(tx).await?;
-        expired += 1;
     }
     Ok(expired)
+}
+
+async fn expire_one(store: &Store, found: &interaction::Model) -> Result<bool> {
+    let mut tx = store.begin_write().await?;
+    let conversation = tx
+        .lock_conversation(found.conversation_id, &found.tenant)
+        .await?;
+    let Some(events) = expire_in(&tx, found).await? else {
+        return Ok(false);
+    };
+    tx.append(&conversation, events).await?;
+    store.commit(tx).await?;
+    Ok(true)
+}
+
+/// Expires a pending interaction inside the caller's transaction (which
+/// holds its conversation's lock): its resolving event, and the re-queue of
+/// a run parked for it. `None` when it was no longer pending.
+async fn expire_in(tx: &WriteTx, found: &interaction::Model) -> Result<Option<Vec<NewEvent>>> {
+    let expired = close_pending(
+        tx,
+        interaction::Column::Id.eq(found.id),
+        InteractionStatus::Expired,
+    )
+    .await?;
+    if expired != 1 {
+        return Ok(None);
+    }
+    let kind = kind_of(found)?;
+    let mut events = vec![interaction_event(
+        resolving_event(kind),
+        found.run_id,
+        found.id,
+    )];
+    if let Some(run_row) = run::Entity::find_by_id(found.run_id).one(&**tx).await? {
+        resume_parked(tx, run_row, kind, &mut events).await?;
+    }
+    Ok(Some(events))
+}
+
+fn resolving_event(kind: InteractionKind) -> EventKind {
+    match kind {
+        InteractionKind::Question => EventKind::QuestionAnswered,
+        InteractionKind::Approval => EventKind::ApprovalDecided,
+        InteractionKind::Connection => EventKind::ConnectionCompleted,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+    use crate::domain::ActiveRunStrategy;
+    use crate::domain::interaction::ApprovalDecision;
+    use crate::store::commands::{self, NewConversation, NewMessage};
+    use crate::store::queue;
+    use crate::store::test_support::temp_store;
+    use crate::store::tool_calls::{self, NewToolCall, Verdict};
+
+    fn actor() -> Actor {
+        Actor {
+            tenant: "acme".into(),
+            principal: "ada".into(),
+        }
+    }
+
+    /// A claimed run with one gated call waiting for approval, asked with
+    /// this time to live.
+    async fn waiting_call(store: &Store, ttl_ms: i64) -> (Lease, Uuid) {
+        let conversation = commands::create_conversation(
+            store,
+            &actor(),
+            NewConversation {
+                agent: "demo".into(),
+                title: None,
+            },
+        )
+        .await
+        .unwrap();
+        let new = NewMessage {
+            conversation_id: conversation.id,
+            text: "hi".into(),
+            client_message_id: None,
+            on_active_run: ActiveRunStrategy::Queue,
+            max_attempts: 3,
+        };
+        let (_, run) = commands::send_message(store, &actor(), new).await.unwrap();
+        let claimed = queue::claim(store, "w", 60_000, 1).await.unwrap();
+        let lease = Lease::of(&claimed[0]);
+        let begun = runs::begin(store, &lease).await.unwrap();
+        let parts: Vec<runs::PartText> = begun
+            .part
+            .into_iter()
+            .map(|part| runs::PartText {
+                part,
+                text: "ok".into(),
+                data: None,
+            })
+            .collect();
+        let call = NewToolCall {
+            provider_call_id: "c1".into(),
+            name: "demo_publish".into(),
+            model_input: json!({ "text": "x" }),
+            verdict: Verdict::Run(json!({ "text": "x" })),
+        };
+        let (calls, _) = tool_calls::request(store, &lease, &parts, vec![call], 16384, None)
+            .await
+            .unwrap();
+        let request = ApprovalRequest {
+            tool_name: "demo_publish".into(),
+            summary: "Publish".into(),
+            risk_category: "publish".into(),
+            input: json!({ "text": "x" }),
+            estimated_cost_usd: None,
+            idempotency_key: calls[0].idempotency_key.clone(),
+        };
+        ask_approval(store, &lease, &calls[0], &request, ttl_ms)
+            .await
+            .unwrap();
+        (lease, run.id)
+    }
+
+    #[tokio::test]
+    async fn a_cancel_committed_before_the_park_is_not_parked_over() {
+        let (store, dir) = temp_store().await;
+        let (lease, run_id) = waiting_call(&store, 86_400_000).await;
+        // cancelRun lands while the worker is about to park: the run is
+        // RUNNING, so only cancelRequested is set.
+        let answered = commands::cancel_run(&store, &actor(), run_id)
+            .await
+            .unwrap();
+        assert!(answered.cancel_requested);
+        let parked = park(&store, &lease, Waiting::Approval, Usage::default(), false).await;
+        assert!(matches!(parked, Err(Error::CancelRequested)), "{parked:?}");
+        let row = reads::run(store.db(), "acme", run_id)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(row.status, "RUNNING", "the worker ends it CANCELLED next");
+        std::fs::remove_dir_all(dir).ok();
+    }
+
+    #[tokio::test]
+    async fn an_interaction_past_its_expiry_is_expired_not_resolved() {
+        let (store, dir) = temp_store().await;
+        // Expired a second ago, and no sweeper has run.
+        let (lease, run_id) = waiting_call(&store, -1000).await;
+        assert!(
+            park(&store, &lease, Waiting::Approval, Usage::default(), false)
+                .await
+                .unwrap()
+        );
+        let pending = reads::interactions_of_run(store.db(), "acme", run_id, "APPROVAL", "PENDING")
+            .await
+            .unwrap();
+        let decision = Resolution::Decision {
+            decision: ApprovalDecision::AllowOnce,
+            allow_always: true,
+        };
+        let result = resolve(&store, &actor(), pending[0].id, decision).await;
+        assert!(matches!(result, Err(Error::Conflict(_))), "{result:?}");
+        let row = reads::interaction(store.db(), "acme", pending[0].id)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(row.status, "EXPIRED");
+        let run = reads::run(store.db(), "acme", run_id)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(run.status, "QUEUED", "the run goes on without it");
+        std::fs::remove_dir_all(dir).ok();
+    }
 }

@@ -51,6 +51,10 @@ pub enum Error {
         key: Option<String>,
         message: String,
     },
+    /// The run's cancellation was requested: a worker must not start an
+    /// effect or park it, and ends it `CANCELLED` instead.
+    #[error("the run's cancellation was requested")]
+    CancelRequested,
     /// A policy refuses it.
     #[error("{0}")]
     Forbidden(String),

@@ -252,6 +252,19 @@ pub(super) fn step_events(row: &run::Model, usage: Usage, step_ended: bool) -> V
     events
 }
 
+/// The text a run's step committed (its kept text parts, in order).
+pub async fn step_text(store: &Store, run_id: Uuid, step: i32) -> Result<String> {
+    let parts = part::Entity::find()
+        .filter(part::Column::RunId.eq(run_id))
+        .filter(part::Column::Step.eq(step))
+        .filter(part::Column::Kind.eq(PartKind::Text.as_str()))
+        .filter(part::Column::Abandoned.eq(false))
+        .order_by_asc(part::Column::Idx)
+        .all(store.db())
+        .await?;
+    Ok(parts.into_iter().filter_map(|p| p.text).collect())
+}
+
 /// The run's assistant message (made by its first `begin`).
 pub(super) async fn assistant_message(tx: &WriteTx, row: &run::Model) -> Result<Uuid> {
     message::Entity::find()
@@ -466,6 +479,9 @@ pub async fn schedule_retry(
     retry: RetryAfterFailure,
 ) -> Result<i64> {
     let (mut tx, conversation, row) = open(store, lease).await?;
+    if row.cancel_requested {
+        return Err(Error::CancelRequested);
+    }
     save_parts(&tx, &row, parts, PartState::Streaming).await?;
     let notice = format!(
         "The model request failed ({}); attempt {} of {} follows.",

@@ -175,6 +175,15 @@ async fn change(
     fill: impl FnOnce(&mut tool_call::ActiveModel, ToolCallState),
 ) -> Result<tool_call::Model> {
     let (mut tx, conversation, row) = open(store, lease).await?;
+    if row.cancel_requested
+        && matches!(
+            input,
+            ToolInput::Start | ToolInput::Recover { replayable: true }
+        )
+    {
+        // No effect starts once a cancellation is committed.
+        return Err(Error::CancelRequested);
+    }
     let (saved, events) = change_in(&tx, &row, call_id, input, fill).await?;
     tx.append(&conversation, events).await?;
     store.commit(tx).await?;
@@ -249,6 +258,24 @@ pub async fn start(
         if let sea_orm::ActiveValue::Unchanged(None) = active.started_at {
             active.started_at = Set(Some(now_millis()));
         }
+    })
+    .await
+}
+
+/// Fails a call that cannot run at all, in one commit, without starting it
+/// (`attempt` stays 0).
+pub async fn reject(
+    store: &Store,
+    lease: &Lease,
+    call_id: Uuid,
+    output: &Value,
+    max_inline_bytes: usize,
+) -> Result<tool_call::Model> {
+    let inline = inline_output(output, max_inline_bytes);
+    change(store, lease, call_id, ToolInput::Reject, |active, _| {
+        active.output = Set(Some(inline.inline));
+        active.full_output = Set(inline.full);
+        active.output_truncated = Set(inline.truncated);
     })
     .await
 }

@@ -895,3 +895,42 @@ async fn a_crash_right_after_the_decision_is_taken_runs_the_call_once_without_as
         "asked once"
     );
 }
+
+#[tokio::test]
+async fn a_waiting_call_whose_tool_a_deployment_removed_gets_one_consistent_result() {
+    let downstream = Downstream::start().await;
+    let mut server = Server::start_workers(&config(&downstream)).await;
+    let token = server.token("acme", "ada");
+    let conversation = server.create_conversation(&token).await;
+    let (run, interaction) = gated(
+        &server,
+        &token,
+        &conversation,
+        "/tool publish {\"text\": \"x\"}",
+    )
+    .await;
+    server.kill().await;
+    // The next deployment has no `publish` tool.
+    let without = config(&downstream)
+        .replace("\"publish\", ", "")
+        .replace("name = \"publish\"", "name = \"publish_v2\"");
+    server.set_config(without);
+    server.restart(&[]).await;
+    let decided = decide(&server, &token, &interaction, "ALLOW_ONCE").await;
+    assert_eq!(
+        decided["data"]["decideApproval"]["resumed"], true,
+        "{decided}"
+    );
+    assert_eq!(
+        server.wait_until_ended(&token, &run).await["status"],
+        "COMPLETED"
+    );
+    let calls = tool_calls(&server, &token, &run).await;
+    assert_eq!(calls[0]["outcome"], "NOT_STARTED");
+    let error = calls[0]["output"]["error"].as_str().unwrap();
+    assert!(error.contains("not configured any more"), "{error}");
+    // The model read that very result.
+    let reply = final_text(&server, &token, &conversation, &run).await;
+    assert!(reply.contains("not configured any more"), "{reply}");
+    assert!(downstream.requests().is_empty());
+}

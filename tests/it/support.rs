@@ -325,6 +325,12 @@ impl Server {
         self.child = child;
     }
 
+    /// The configuration the next `restart` uses (a deployment that changes
+    /// it).
+    pub fn set_config(&mut self, config: String) {
+        self.options.config = config;
+    }
+
     pub fn token(&self, tenant: &str, sub: &str) -> String {
         self.auth.mint(tenant, sub, Duration::from_secs(3600))
     }

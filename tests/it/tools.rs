@@ -408,3 +408,67 @@ async fn cancelling_during_a_slow_call_interrupts_it_and_the_unstarted_sibling_n
     let ended = server.wait_until_ended(&token, &next).await;
     assert_eq!(ended["status"], "COMPLETED", "{ended}");
 }
+
+#[tokio::test]
+async fn cancelling_a_batch_while_its_calls_commit_ends_the_run_at_once() {
+    let downstream = Downstream::start().await;
+    let agent = "[agents.limits]\nmax_tool_calls = 200";
+    let server = Server::start_workers(&config(
+        &downstream,
+        "tool_concurrency = 4",
+        &[("tools", agent)],
+    ))
+    .await;
+    let token = server.token("acme", "ada");
+    for round in 0..3 {
+        let conversation = server.conversation_with(&token, "tools").await;
+        let text: Vec<String> = (0..150)
+            .map(|i| format!("/tool effect {{\"text\": \"{round}-{i}\"}}"))
+            .collect();
+        let before = downstream.requests().len();
+        let (_, run) = server.send(&token, &conversation, &text.join("\n")).await;
+        downstream
+            .wait_for("the batch under way", |d| d.requests().len() >= before + 8)
+            .await;
+        server.cancel(&token, &run).await;
+        let ended = server.wait_until_ended(&token, &run).await;
+        assert_eq!(ended["status"], "CANCELLED", "round {round}: {ended}");
+        // Every call has its one result.
+        let calls = tool_calls(&server, &token, &run).await;
+        assert_eq!(calls.len(), 150);
+        for call in &calls {
+            assert!(
+                matches!(
+                    call["outcome"].as_str(),
+                    Some("SUCCEEDED" | "INTERRUPTED" | "NOT_STARTED")
+                ),
+                "round {round}: {call}"
+            );
+        }
+        // The process still writes: another conversation works at once.
+        let other = server.conversation_with(&token, "tools").await;
+        let (_, next) = server.send(&token, &other, "hello").await;
+        assert_eq!(
+            server.wait_until_ended(&token, &next).await["status"],
+            "COMPLETED"
+        );
+    }
+}
+
+#[tokio::test]
+async fn content_match_is_checked_on_steps_that_call_tools() {
+    let downstream = Downstream::start().await;
+    let agent = "[agents.stop]\ncontent_match = \"Calling effect\"\n[agents.limits]\nmax_steps = 3";
+    let server = Server::start_workers(&config(&downstream, "", &[("matching", agent)])).await;
+    let token = server.token("acme", "ada");
+    let (_, run, ended) = run_to_end(
+        &server,
+        &token,
+        "matching",
+        "/loop effect {\"text\": \"a\"}",
+    )
+    .await;
+    assert_eq!(ended["endCause"], "STOPPED", "{ended}");
+    assert_eq!(ended["steps"], 1);
+    assert_eq!(tool_calls(&server, &token, &run).await.len(), 1);
+}
