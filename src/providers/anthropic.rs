@@ -339,7 +339,7 @@ impl Provider for Anthropic {
             .header("x-api-key", key)
             .header("anthropic-version", VERSION)
             .json(&body(&request));
-        let response = http::send(builder, describe).await?;
+        let response = http::send(builder, describe, self.0.idle_timeout).await?;
         let mut events = Box::pin(http::events(response, self.0.idle_timeout));
         let stream = async_stream::stream! {
             let mut parser = Parser::default();

@@ -43,8 +43,21 @@ pub fn client() -> Result<&'static reqwest::Client, ProviderError> {
         .map_err(|e| ProviderError::Unavailable(format!("cannot build the HTTP client: {e}")))
 }
 
+/// The longest `retry-after` taken at its word; a larger one (or one too
+/// large to represent) waits this long, and the run's own timeout still
+/// applies.
+const MAX_RETRY_AFTER: Duration = Duration::from_secs(24 * 3600);
+
+fn seconds(value: f64) -> Option<Duration> {
+    (value.is_finite() && value >= 0.0).then(|| {
+        Duration::try_from_secs_f64(value)
+            .unwrap_or(MAX_RETRY_AFTER)
+            .min(MAX_RETRY_AFTER)
+    })
+}
+
 /// `retry-after-ms` (milliseconds), else `retry-after` (seconds or an HTTP
-/// date), as a duration from now.
+/// date), as a duration from now, at most a day.
 pub fn retry_after(headers: &HeaderMap) -> Option<Duration> {
     let text = |name: &str| {
         headers
@@ -52,36 +65,46 @@ pub fn retry_after(headers: &HeaderMap) -> Option<Duration> {
             .and_then(|v| v.to_str().ok())
             .map(str::trim)
     };
-    if let Some(ms) = text("retry-after-ms").and_then(|v| v.parse::<f64>().ok())
-        && ms.is_finite()
-        && ms >= 0.0
+    if let Some(wait) = text("retry-after-ms")
+        .and_then(|v| v.parse::<f64>().ok())
+        .and_then(|ms| seconds(ms / 1000.0))
     {
-        return Some(Duration::from_secs_f64(ms / 1000.0));
+        return Some(wait);
     }
     let value = text("retry-after")?;
-    if let Ok(seconds) = value.parse::<f64>() {
-        return (seconds.is_finite() && seconds >= 0.0).then(|| Duration::from_secs_f64(seconds));
+    if let Ok(value) = value.parse::<f64>() {
+        return seconds(value);
     }
     let at = httpdate::parse_http_date(value).ok()?;
     Some(
         at.duration_since(SystemTime::now())
-            .unwrap_or(Duration::ZERO),
+            .unwrap_or(Duration::ZERO)
+            .min(MAX_RETRY_AFTER),
     )
 }
 
 /// Sends a request; a non-2xx answer becomes `ProviderError::Http` with the
 /// provider's error type and message, read by `describe` from the body.
+/// The response's headers, and an error's body, must come within `wait`.
 pub async fn send(
     request: reqwest::RequestBuilder,
     describe: fn(&serde_json::Value) -> Option<(String, String)>,
+    wait: Duration,
 ) -> Result<reqwest::Response, ProviderError> {
-    let response = request.send().await.map_err(network)?;
+    let silent = || ProviderError::Network(format!("no answer within {} s", wait.as_secs()));
+    let response = tokio::time::timeout(wait, request.send())
+        .await
+        .map_err(|_| silent())?
+        .map_err(network)?;
     let status = response.status();
     if status.is_success() {
         return Ok(response);
     }
     let retry_after = retry_after(response.headers());
-    let body = response.bytes().await.unwrap_or_default();
+    let body = tokio::time::timeout(wait, response.bytes())
+        .await
+        .map_err(|_| silent())?
+        .unwrap_or_default();
     let (code, message) = serde_json::from_slice(&body)
         .ok()
         .and_then(|json| describe(&json))
@@ -141,6 +164,40 @@ pub fn events(
 mod tests {
     use super::*;
     use reqwest::header::HeaderValue;
+
+    #[test]
+    fn huge_or_odd_retry_after_values_are_capped_not_trusted() {
+        let wait = |name: &'static str, value: &'static str| {
+            let mut headers = HeaderMap::new();
+            headers.insert(name, HeaderValue::from_static(value));
+            retry_after(&headers)
+        };
+        assert_eq!(wait("retry-after", "1e20"), Some(MAX_RETRY_AFTER));
+        assert_eq!(wait("retry-after-ms", "1e30"), Some(MAX_RETRY_AFTER));
+        assert_eq!(wait("retry-after", "-1"), None);
+        assert_eq!(wait("retry-after", "NaN"), None);
+    }
+
+    #[tokio::test]
+    async fn a_server_that_never_answers_is_a_network_error() {
+        install_tls();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        // Accepts and holds connections, never answering.
+        let held = tokio::spawn(async move {
+            let mut sockets = Vec::new();
+            while let Ok((socket, _)) = listener.accept().await {
+                sockets.push(socket);
+            }
+        });
+        let request = client().unwrap().post(format!("http://{addr}/v1/messages"));
+        let err = send(request, |_| None, Duration::from_millis(200))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, ProviderError::Network(_)), "{err:?}");
+        assert!(err.is_transient());
+        held.abort();
+    }
 
     #[test]
     fn retry_after_reads_milliseconds_seconds_and_dates() {

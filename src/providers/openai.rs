@@ -94,6 +94,21 @@ fn turn_messages(turn: &Turn, messages: &mut Vec<Value>) {
     }
 }
 
+/// OpenAI's own API takes `max_completion_tokens` (its reasoning models
+/// refuse `max_tokens`); other servers keep the older, common name.
+pub fn for_server(mut body: Value, base_url: &str) -> Value {
+    let official = reqwest::Url::parse(base_url)
+        .ok()
+        .is_some_and(|url| url.host_str() == Some("api.openai.com"));
+    if official
+        && let Some(object) = body.as_object_mut()
+        && let Some(tokens) = object.remove("max_tokens")
+    {
+        object.insert("max_completion_tokens".into(), tokens);
+    }
+    body
+}
+
 pub fn body(request: &ModelRequest) -> Value {
     let mut messages = Vec::new();
     if let Some(system) = &request.system {
@@ -249,10 +264,12 @@ impl Parser {
         }
         for choice in chunk["choices"].as_array().into_iter().flatten() {
             let delta = &choice["delta"];
-            for field in ["reasoning_content", "reasoning"] {
-                if let Some(text) = delta[field].as_str().filter(|t| !t.is_empty()) {
-                    out.push(Ok(ModelEvent::Reasoning(text.to_owned())));
-                }
+            // Servers name it one way or the other; some send both.
+            let reasoning = ["reasoning_content", "reasoning"]
+                .iter()
+                .find_map(|field| delta[*field].as_str().filter(|t| !t.is_empty()));
+            if let Some(text) = reasoning {
+                out.push(Ok(ModelEvent::Reasoning(text.to_owned())));
             }
             if let Some(text) = delta["content"].as_str().filter(|t| !t.is_empty()) {
                 out.push(Ok(ModelEvent::Text(text.to_owned())));
@@ -291,11 +308,11 @@ impl Provider for OpenAi {
     async fn stream(&self, request: ModelRequest) -> Result<ModelStream, ProviderError> {
         let mut builder = http::client()?
             .post(endpoint(&self.0.base_url))
-            .json(&body(&request));
+            .json(&for_server(body(&request), &self.0.base_url));
         if let Some(key) = &self.0.api_key {
             builder = builder.bearer_auth(key);
         }
-        let response = http::send(builder, describe).await?;
+        let response = http::send(builder, describe, self.0.idle_timeout).await?;
         let mut events = Box::pin(http::events(response, self.0.idle_timeout));
         let stream = async_stream::stream! {
             let mut parser = Parser::default();
@@ -342,6 +359,28 @@ mod tests {
             thinking_budget: None,
             attempt: 1,
         }
+    }
+
+    #[test]
+    fn openai_itself_gets_max_completion_tokens_and_other_servers_max_tokens() {
+        let body = || json!({ "model": "m", "max_tokens": 50 });
+        let official = for_server(body(), "https://api.openai.com/v1");
+        assert_eq!(official["max_completion_tokens"], 50);
+        assert!(official.get("max_tokens").is_none());
+        let local = for_server(body(), "http://127.0.0.1:11434");
+        assert_eq!(local["max_tokens"], 50);
+    }
+
+    #[test]
+    fn reasoning_sent_under_both_names_comes_out_once() {
+        let chunk = json!({ "choices": [{ "index": 0,
+            "delta": { "reasoning_content": "Think.", "reasoning": "Think." },
+            "finish_reason": null }] })
+        .to_string();
+        assert_eq!(
+            Parser::default().feed(&chunk),
+            [Ok(ModelEvent::Reasoning("Think.".into()))]
+        );
     }
 
     #[test]

@@ -9,6 +9,8 @@
 use futures_util::StreamExt;
 use uuid::Uuid;
 
+use std::collections::HashSet;
+
 use super::history::History;
 use crate::config::ContextConfig;
 use crate::domain::MessageRole;
@@ -34,7 +36,7 @@ pub fn estimate_request(system: Option<&str>, turns: &[Turn]) -> u64 {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Plan {
     pub turns: usize,
-    /// The newest message the summary covers.
+    /// The last message the summary covers, in the history's order.
     pub through: Uuid,
     /// How many messages it replaces (an earlier summary not counted).
     pub messages: usize,
@@ -57,10 +59,11 @@ pub fn plan(history: &History, system: Option<&str>, context: &ContextConfig) ->
     }
     let covered = &history.sources[..turns];
     let through = covered.iter().rev().find_map(|s| *s)?;
+    let messages: HashSet<Uuid> = covered.iter().flatten().copied().collect();
     Some(Plan {
         turns,
         through,
-        messages: covered.iter().filter(|s| s.is_some()).count(),
+        messages: messages.len(),
     })
 }
 
@@ -162,6 +165,14 @@ mod tests {
         assert_eq!(plan.turns, 1);
         assert_eq!(plan.through, Uuid::from_u128(1));
         assert_eq!(plan.messages, 1);
+        // Covering the reply too counts its message once, not per turn.
+        let wider = ContextConfig {
+            budget_tokens: 10,
+            keep_recent_messages: 1,
+        };
+        let plan = super::plan(&history, None, &wider).unwrap();
+        assert_eq!((plan.turns, plan.messages), (4, 2));
+        assert_eq!(plan.through, Uuid::from_u128(2));
     }
 
     #[test]

@@ -235,6 +235,7 @@ impl Steps<'_> {
             agent,
             provider: self.provider,
             control: self.control,
+            deadline: self.deadline,
         };
         let history = compact(&context, history, &mut attempt).await?;
         let request = ModelRequest {
@@ -520,8 +521,9 @@ impl Steps<'_> {
         let retry = RetryAfterFailure {
             failed_attempt,
             max_attempts: policy.max_attempts as i32,
-            delay_ms: delay.as_millis() as i64,
+            delay_ms: i64::try_from(delay.as_millis()).unwrap_or(i64::MAX),
             error,
+            usage,
         };
         match runs::schedule_retry(store, lease, &attempt.texts(), retry).await {
             Ok(_) => {}
@@ -562,6 +564,7 @@ async fn compact(
         agent,
         provider,
         control,
+        deadline,
     } = *context;
     let Some(plan) = compaction::plan(&history, agent.system.as_deref(), &agent.context) else {
         return Ok(history);
@@ -573,8 +576,10 @@ async fn compact(
             agent.max_tokens,
             &history.turns[..plan.turns],
         ) => summarized,
-        // The inference that follows sees the cancellation at once.
+        // The inference that follows sees the cancellation, or the
+        // deadline, at once.
         () = control.token.cancelled() => return Ok(history),
+        () = sleep_until(deadline) => return Ok(history),
     };
     let (text, input_tokens, output_tokens) = match summarized {
         Ok(summary) => summary,
@@ -610,6 +615,7 @@ struct Context<'a> {
     agent: &'a AgentConfig,
     provider: &'a dyn Provider,
     control: &'a Control,
+    deadline: Instant,
 }
 
 /// The parts an attempt streams into (in display order), the tool calls

@@ -9,7 +9,7 @@ use crate::domain::interaction::{InteractionStatus, answers_text};
 use crate::domain::tool_call::{ToolOutcome, result_text};
 use crate::domain::{MessageRole, PartKind};
 use crate::providers::{Content, Turn};
-use crate::store::entities::{interaction, part, run, summary, tool_call};
+use crate::store::entities::{interaction, message, part, run, summary, tool_call};
 use crate::store::{Result, Store, interactions, parse_stored, reads};
 
 /// What the model reads when its questions expired unanswered.
@@ -36,18 +36,21 @@ impl History {
     }
 }
 
-/// Every user message up to the run's own and every reply so far, with
-/// their tool calls and results; messages covered by the latest summary are
-/// replaced by it. (Runs of a conversation execute one at a time in order,
-/// so every reply there is belongs to this run or to one before it.)
-/// Abandoned attempts, notices and errors are shown to people, never to
-/// the model; reasoning goes back only with its signature.
+/// Every user message up to the run's own, each followed by its reply (a
+/// reply's message is made when its run starts, so a message queued
+/// meanwhile has an earlier id: the order is by question, not by id), with
+/// their tool calls and results. The latest summary stands in for every
+/// message up to the one it was made through, in that order. (Runs of a
+/// conversation execute one at a time in order, so every reply there is
+/// belongs to this run or to one before it.) Abandoned attempts, notices
+/// and errors are shown to people, never to the model; reasoning goes back
+/// only with its signature.
 pub async fn load(store: &Store, run: &run::Model) -> Result<History> {
     let db = store.db();
     let latest_summary = summary::Entity::find()
         .filter(summary::Column::Tenant.eq(run.tenant.as_str()))
         .filter(summary::Column::ConversationId.eq(run.conversation_id))
-        .filter(summary::Column::ThroughMessageId.lt(run.trigger_message_id))
+        .filter(summary::Column::RunId.lte(run.id))
         .order_by_desc(summary::Column::Id)
         .one(db)
         .await?;
@@ -56,27 +59,46 @@ pub async fn load(store: &Store, run: &run::Model) -> Result<History> {
     let mut parts = reads::parts_of(db, &run.tenant, &ids).await?;
     let mut calls = reads::tool_calls_by_part(db, &run.tenant, run.conversation_id).await?;
     let mut asked = reads::interactions_by_part(db, &run.tenant, run.conversation_id).await?;
+
+    // Each user message with the reply of the run it started.
+    let mut replies: HashMap<Uuid, message::Model> = HashMap::new();
+    let mut questions = Vec::new();
+    for message in messages {
+        match parse_stored::<MessageRole>(&message.role, "message role")? {
+            MessageRole::Assistant => {
+                if let Some(run_id) = message.run_id {
+                    replies.insert(run_id, message);
+                }
+            }
+            MessageRole::User if message.id <= run.trigger_message_id => questions.push(message),
+            MessageRole::User => {}
+        }
+    }
+    let mut ordered = Vec::new();
+    for question in questions {
+        let reply = question.run_id.and_then(|id| replies.remove(&id));
+        ordered.push(question);
+        ordered.extend(reply);
+    }
+
     let mut history = History::default();
     if let Some(summary) = &latest_summary {
+        // Everything up to the message it was made through is replaced.
+        if let Some(at) = ordered
+            .iter()
+            .position(|m| m.id == summary.through_message_id)
+        {
+            ordered.drain(..=at);
+        }
         let text = format!("{SUMMARY_HEADING}\n{}", summary.text);
         history.push(Turn::text(MessageRole::User, text), None);
     }
-    for message in messages {
-        if latest_summary
-            .as_ref()
-            .is_some_and(|s| message.id <= s.through_message_id)
-        {
-            continue;
-        }
-        let role: MessageRole = parse_stored(&message.role, "message role")?;
-        if role == MessageRole::User && message.id > run.trigger_message_id {
-            continue;
-        }
+    for message in ordered {
         let parts = parts.remove(&message.id).unwrap_or_default();
-        if role == MessageRole::User {
+        if parse_stored::<MessageRole>(&message.role, "message role")? == MessageRole::User {
             let text = texts(&parts)?;
             if !text.is_empty() {
-                history.push(Turn::text(role, text), Some(message.id));
+                history.push(Turn::text(MessageRole::User, text), Some(message.id));
             }
             continue;
         }

@@ -465,6 +465,9 @@ pub struct RetryAfterFailure {
     pub max_attempts: i32,
     pub delay_ms: i64,
     pub error: RunError,
+    /// The run's usage with what the failed attempt reported: tokens a
+    /// provider counted are paid for even when the answer was lost.
+    pub usage: Usage,
 }
 
 /// Parks the run in `RETRY_PENDING` until its next attempt is due: the failed
@@ -490,10 +493,11 @@ pub async fn schedule_retry(
         retry.max_attempts
     );
     let mut events = abandon_open_parts_with(&tx, row.id, &notice).await?;
+    events.extend(step_events(&row, retry.usage, false));
     let to = transition(RunStatus::Running, RunInput::ScheduleRetry)
         .map_err(|e| Error::Conflict(e.to_string()))?;
     let now = now_millis();
-    let next_attempt_at = now + retry.delay_ms;
+    let next_attempt_at = now.saturating_add(retry.delay_ms);
     let run_id = row.id;
     // The wait counts towards the run's time, like running does.
     let active_ms = row.active_ms + (now - row.claimed_at.unwrap_or(now)).max(0) + retry.delay_ms;
@@ -505,6 +509,9 @@ pub async fn schedule_retry(
     active.next_attempt_at = Set(Some(next_attempt_at));
     active.error = Set(Some(error_json));
     active.active_ms = Set(active_ms);
+    active.input_tokens = Set(retry.usage.input_tokens);
+    active.output_tokens = Set(retry.usage.output_tokens);
+    active.cost_usd = Set(retry.usage.cost_usd);
     clear_lease(&mut active);
     active.update(&*tx).await?;
     events.push(NewEvent {

@@ -11,6 +11,7 @@ mod fakes;
 mod input_limits;
 mod instances;
 mod interactions;
+mod model_history;
 mod provider_tools;
 mod providers;
 mod retries;

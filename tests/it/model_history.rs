@@ -1,0 +1,169 @@
+//! The history a model is sent, through a fake Anthropic that records
+//! every request: replies stay with their questions when messages queue up,
+//! a summary just made is used at once, and a failed attempt's tokens count.
+
+use std::time::Duration;
+
+use serde_json::json;
+
+use crate::downstream::Downstream;
+use crate::fakes::{
+    FakeProvider, FakeToolCall, KEY, Reply, Wire, anthropic_sse, anthropic_sse_failing,
+    anthropic_sse_tool_calls,
+};
+use crate::support::{Server, ServerOptions, events_with_retries, of_type};
+use crate::tools::tool_sections;
+
+async fn server(fake: &FakeProvider, downstream: &Downstream, agent_extra: &str) -> Server {
+    let config = format!(
+        r#"
+[runtime]
+checkpoint_ms = 40
+poll_ms = 100
+
+[[agents]]
+name = "model"
+provider = "anthropic"
+model = "fake-model"
+system = "Be brief."
+base_url = "{base}"
+api_key_env = "TETHER_TEST_PROVIDER_KEY"
+max_tokens = 321
+idle_timeout_secs = 5
+tools = ["effect"]
+{agent_extra}
+
+[agents.retry]
+max_attempts = 3
+initial_delay_ms = 50
+max_delay_ms = 100
+{tools}
+"#,
+        base = fake.base_url,
+        tools = tool_sections(downstream),
+    );
+    Server::start_with(ServerOptions {
+        config,
+        env: vec![("TETHER_TEST_PROVIDER_KEY".into(), KEY.into())],
+        role: "all",
+    })
+    .await
+}
+
+/// Two messages queued while an earlier run streams: the second run's reply
+/// (created when that run begins) sorts after the third user message, so the
+/// third run's history ends with an assistant message (a prefill, which
+/// Anthropic refuses with extended thinking and newer models refuse
+/// always), and the reply to U1 is shown after U2.
+#[tokio::test]
+async fn queued_messages_keep_replies_in_order_and_history_ends_with_the_user() {
+    let fake = FakeProvider::start(Wire::Anthropic).await;
+    fake.script([Reply::Stream {
+        sse: anthropic_sse(&["slow ", "reply ", "zero"], 10, 5),
+        chunk_bytes: 20,
+        pause: Duration::from_millis(40),
+    }]);
+    let downstream = Downstream::start().await;
+    let server = server(&fake, &downstream, "").await;
+    let token = server.token("acme", "ada");
+    let conversation = server.create_conversation(&token).await;
+    let (_, run0) = server.send(&token, &conversation, "U0").await;
+    // Run 0 is streaming.
+    for _ in 0..100 {
+        if !fake.requests().is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (_, _run1) = server.send(&token, &conversation, "U1").await;
+    let (_, run2) = server.send(&token, &conversation, "U2").await;
+    assert_eq!(
+        server.wait_until_ended(&token, &run0).await["status"],
+        "COMPLETED"
+    );
+    let ended = server.wait_until_ended(&token, &run2).await;
+    assert_eq!(ended["status"], "COMPLETED", "{ended}");
+    let requests = fake.requests();
+    assert_eq!(requests.len(), 3);
+    let messages = requests[2]["messages"].as_array().unwrap();
+    assert_eq!(
+        messages.last().unwrap()["role"],
+        "user",
+        "run 2's request ends with an assistant message: {}",
+        serde_json::to_string_pretty(messages).unwrap()
+    );
+}
+
+/// A run whose own reply has more turns than `keep_recent_messages`: the
+/// cut walks back to the run's trigger message, the summary is stored
+/// `through` the trigger, and `history::load` only uses summaries
+/// `through < trigger`, so the summary just paid for is never used: the
+/// request goes out over budget and every later step compacts again.
+#[tokio::test]
+async fn a_summary_through_the_runs_own_message_is_used() {
+    let fake = FakeProvider::start(Wire::Anthropic).await;
+    let call = |id: &str| FakeToolCall::new(id, "effect", json!({ "text": "a" }));
+    fake.script([
+        Reply::sse(
+            anthropic_sse_tool_calls(&["Calling."], &[call("toolu_1")]),
+            64,
+        ),
+        // The summary.
+        Reply::sse(anthropic_sse(&["Short summary."], 10, 5), 64),
+        Reply::sse(
+            anthropic_sse_tool_calls(&["Again."], &[call("toolu_2")]),
+            64,
+        ),
+    ]);
+    let downstream = Downstream::start().await;
+    let server = server(
+        &fake,
+        &downstream,
+        "[agents.context]\nbudget_tokens = 50\nkeep_recent_messages = 2",
+    )
+    .await;
+    let token = server.token("acme", "ada");
+    let conversation = server.create_conversation(&token).await;
+    let text = format!("please {}", "words ".repeat(60));
+    let (_, run) = server.send(&token, &conversation, &text).await;
+    let ended = server.wait_until_ended(&token, &run).await;
+    assert_eq!(ended["status"], "COMPLETED", "{ended}");
+    let requests = fake.requests();
+    let events = events_with_retries(&server, &token, &conversation).await;
+    let compacted = of_type(&events, "context.compacted").len();
+    // Request 1: step 1; request 2: the summary; request 3: step 2.
+    let first = requests[2]["messages"][0]["content"][0]["text"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    assert!(
+        first.starts_with("Summary of the earlier conversation:"),
+        "step 2 went out without the summary just made ({} requests, {compacted} compactions); it starts: {first:.60}",
+        requests.len()
+    );
+    assert_eq!(compacted, 1, "compacted once");
+}
+
+/// The provider reported usage for an attempt that then failed
+/// (`message_start`: 10 input tokens, then an `error` event); the retry's
+/// schedule drops it, so the run's usage, cost and ceilings only see the
+/// attempt that succeeded.
+#[tokio::test]
+async fn a_failed_attempts_reported_usage_is_counted() {
+    let fake = FakeProvider::start(Wire::Anthropic).await;
+    fake.script([
+        Reply::sse(
+            anthropic_sse_failing(&["half an ans"], "overloaded_error", "Overloaded"),
+            16,
+        ),
+        Reply::sse(anthropic_sse(&["The whole answer."], 10, 4), 16),
+    ]);
+    let downstream = Downstream::start().await;
+    let server = server(&fake, &downstream, "").await;
+    let token = server.token("acme", "ada");
+    let conversation = server.create_conversation(&token).await;
+    let (_, run) = server.send(&token, &conversation, "hi").await;
+    let ended = server.wait_until_ended(&token, &run).await;
+    assert_eq!(ended["status"], "COMPLETED", "{ended}");
+    assert_eq!(ended["usage"]["inputTokens"], 20, "{ended}");
+}
