@@ -114,7 +114,7 @@ impl Runner<'_> {
 
     /// One call to its result; true when it is left waiting for a person.
     async fn call(&self, call: &tool_call::Model, batch: &Batch) -> store::Result<bool> {
-        let (store, lease) = (self.store, self.lease);
+        let id = call.id;
         let status = tool_calls::state_of(call)?.status;
         let tool = self.tools.get(&call.name);
         let input = call.input.as_ref();
@@ -124,10 +124,16 @@ impl Runner<'_> {
                 json!({ "error": format!("the tool {:?} is not configured any more", call.name) });
             match status {
                 ToolCallStatus::Executing => {
-                    tool_calls::indeterminate(store, lease, call.id, Some(output)).await?;
+                    self.whole(move |s, l| async move {
+                        tool_calls::indeterminate(&s, &l, id, Some(output)).await
+                    })
+                    .await?;
                 }
                 ToolCallStatus::Awaiting => {
-                    interactions::abandon_waiting(store, lease, call.id, output).await?;
+                    self.whole(move |s, l| async move {
+                        interactions::abandon_waiting(&s, &l, id, output).await
+                    })
+                    .await?;
                 }
                 _ => self.fail_at_once(call, &output).await?,
             }
@@ -138,11 +144,14 @@ impl Runner<'_> {
         let waited = match status {
             ToolCallStatus::Awaiting => true,
             ToolCallStatus::Requested if tool.risk.is_some() => {
-                if interactions::approved(store, call.id).await? {
+                if self
+                    .whole(move |s, _| async move { interactions::approved(&s, id).await })
+                    .await?
+                {
                     // Allowed and claimed by an earlier claim of the run.
                     approved = true;
                     false
-                } else if interactions::granted(store, self.run, &tool.name).await? {
+                } else if self.granted(&tool.name).await? {
                     false
                 } else {
                     let request = ApprovalRequest {
@@ -154,7 +163,11 @@ impl Runner<'_> {
                         idempotency_key: call.idempotency_key.clone(),
                     };
                     let ttl = self.rules.approval_ttl_secs as i64 * 1000;
-                    interactions::ask_approval(store, lease, call, &request, ttl).await?;
+                    let call = call.clone();
+                    self.whole(move |s, l| async move {
+                        interactions::ask_approval(&s, &l, &call, &request, ttl).await
+                    })
+                    .await?;
                     true
                 }
             }
@@ -162,7 +175,11 @@ impl Runner<'_> {
                 match questions(input) {
                     Ok(specs) => {
                         let ttl = self.rules.question_ttl_secs as i64 * 1000;
-                        interactions::ask(store, lease, call, &specs, ttl).await?;
+                        let call = call.clone();
+                        self.whole(move |s, l| async move {
+                            interactions::ask(&s, &l, &call, &specs, ttl).await
+                        })
+                        .await?;
                     }
                     Err(problem) => {
                         self.fail_at_once(call, &json!({ "error": problem }))
@@ -192,15 +209,32 @@ impl Runner<'_> {
 
     /// A call that cannot run ends `FAILED` with `output`, never started.
     async fn fail_at_once(&self, call: &tool_call::Model, output: &Value) -> store::Result<()> {
-        tool_calls::reject(
-            self.store,
-            self.lease,
-            call.id,
-            output,
-            self.max_inline_bytes,
-        )
-        .await?;
+        let (id, output, max) = (call.id, output.clone(), self.max_inline_bytes);
+        self.whole(move |s, l| async move { tool_calls::reject(&s, &l, id, &output, max).await })
+            .await?;
         Ok(())
+    }
+
+    /// Whether a standing grant covers this tool for the run.
+    async fn granted(&self, tool: &str) -> store::Result<bool> {
+        let (run, tool) = (self.run.clone(), tool.to_owned());
+        self.whole(move |s, _| async move { interactions::granted(&s, &run, &tool).await })
+            .await
+    }
+
+    /// Runs a store operation to its end in a task of its own. Dropping the
+    /// batch (a cancel, a deadline) aborts the calls' requests, but must not
+    /// cut a transaction off mid-statement: its connection would go back to
+    /// the pool half-used.
+    async fn whole<T, F, Fut>(&self, operation: F) -> store::Result<T>
+    where
+        F: FnOnce(Store, Lease) -> Fut,
+        Fut: Future<Output = store::Result<T>> + Send + 'static,
+        T: Send + 'static,
+    {
+        let task = tokio::spawn(operation(self.store.clone(), self.lease.clone()));
+        task.await
+            .map_err(|e| store::Error::Corrupt(format!("a store operation did not finish: {e}")))?
     }
 
     /// Waits for a person's decision on a waiting call while other calls
@@ -211,7 +245,11 @@ impl Runner<'_> {
         let mut counted = true;
         loop {
             let changed = batch.changed.notified();
-            match interactions::take_decision(self.store, self.lease, call.id).await? {
+            let id = call.id;
+            let decided = self
+                .whole(move |s, l| async move { interactions::take_decision(&s, &l, id).await })
+                .await?;
+            match decided {
                 Decided::Run => {
                     if !counted {
                         batch.active.fetch_add(1, Ordering::SeqCst);
@@ -251,20 +289,22 @@ impl Runner<'_> {
         approved: bool,
         batch: &Batch,
     ) -> store::Result<()> {
-        let (store, lease) = (self.store, self.lease);
+        let id = call.id;
         if replay && tool.recovery == Recovery::NeverReplay {
             tracing::warn!("a call that must not be replayed was cut off; its outcome is unknown");
-            tool_calls::indeterminate(store, lease, call.id, None).await?;
+            self.whole(
+                move |s, l| async move { tool_calls::indeterminate(&s, &l, id, None).await },
+            )
+            .await?;
             return Ok(());
         }
         // A gated call gets here only approved, or covered by a grant
         // (checked just before, or when it was first started).
-        let cleared = tool.risk.is_none()
-            || approved
-            || replay
-            || interactions::granted(store, self.run, &tool.name).await?;
+        let cleared = tool.risk.is_none() || approved || replay || self.granted(&tool.name).await?;
         let _slot = batch.slots.acquire().await;
-        let started = tool_calls::start(store, lease, call.id, replay).await?;
+        let started = self
+            .whole(move |s, l| async move { tool_calls::start(&s, &l, id, replay).await })
+            .await?;
         failpoints::hit("after_tool_executing");
         let effect = invoke(Invocation {
             tool,
@@ -277,17 +317,25 @@ impl Runner<'_> {
         })
         .await;
         failpoints::hit("after_tool_response");
+        let max = self.max_inline_bytes;
         match effect {
             Effect::Succeeded(output) => {
-                tool_calls::complete(store, lease, call.id, true, &output, self.max_inline_bytes)
-                    .await?;
+                self.whole(move |s, l| async move {
+                    tool_calls::complete(&s, &l, id, true, &output, max).await
+                })
+                .await?;
             }
             Effect::Failed(output) => {
-                tool_calls::complete(store, lease, call.id, false, &output, self.max_inline_bytes)
-                    .await?;
+                self.whole(move |s, l| async move {
+                    tool_calls::complete(&s, &l, id, false, &output, max).await
+                })
+                .await?;
             }
             Effect::Unknown(output) => {
-                tool_calls::indeterminate(store, lease, call.id, Some(output)).await?;
+                self.whole(move |s, l| async move {
+                    tool_calls::indeterminate(&s, &l, id, Some(output)).await
+                })
+                .await?;
             }
         }
         failpoints::hit("after_tool_committed");
