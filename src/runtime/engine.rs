@@ -31,7 +31,7 @@ use crate::store::runs::{
     self, Begun, Compaction, Ending, Lease, OpenPart, PartText, RetryAfterFailure, utf16_len,
 };
 use crate::store::tool_calls::{self, NewToolCall, Verdict};
-use crate::store::{self, Store};
+use crate::store::{self, Store, reads};
 use crate::tools::registry::{Registry, Tool};
 
 /// The built-in tool that asks a person questions.
@@ -160,7 +160,7 @@ async fn drive(
     // finished, from its committed facts, before the model hears anything.
     if begun.part.is_none() {
         attempt.said = runs::step_text(store, run.id, step).await?;
-        let calls = tool_calls::of_step(store, run.id, step).await?;
+        let calls = tool_calls::of_step(store.db(), run.id, step).await?;
         match steps.finish_batch(&calls, step, attempt).await? {
             Next::Step(next) => attempt = next,
             Next::Over => return Ok(()),
@@ -305,7 +305,9 @@ impl Steps<'_> {
         attempt: &mut Attempt,
     ) -> store::Result<Option<Vec<tool_call::Model>>> {
         let limits = &self.agent.limits;
-        let earlier = tool_calls::of_run(self.store, self.run.id).await?.len();
+        let earlier = reads::tool_calls_of_run(self.store.db(), &self.run.tenant, self.run.id)
+            .await?
+            .len();
         let asked = std::mem::take(&mut attempt.calls);
         let over_limit = earlier + asked.len() > limits.max_tool_calls as usize;
         let calls = asked
@@ -427,7 +429,7 @@ impl Steps<'_> {
                 }
                 Err(err) => return Err(err),
             }
-            calls = tool_calls::of_step(store, self.run.id, step).await?;
+            calls = tool_calls::of_step(store.db(), self.run.id, step).await?;
         }
         // A shutdown lets the batch finish (within the grace period), then
         // hands the run back.
@@ -437,7 +439,7 @@ impl Steps<'_> {
 
         // Step end.
         let usage = attempt.usage(agent);
-        let all = tool_calls::of_run(store, self.run.id).await?;
+        let all = reads::tool_calls_of_run(store.db(), &self.run.tenant, self.run.id).await?;
         let text = attempt.text();
         let condition = over_ceiling(&agent.limits, &usage)
             .or_else(|| stop::after_tools(&agent.stop, &all, step, &text));

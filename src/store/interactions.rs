@@ -14,7 +14,7 @@ use uuid::Uuid;
 
 use super::commands::Actor;
 use super::entities::{grant, interaction, run, tool_call};
-use super::runs::{self, Lease, open};
+use super::runs::{self, Lease, PartContent, open};
 use super::tool_calls::change_in;
 use super::{Error, Result, Store, WriteTx, parse_stored, reads};
 use crate::domain::PartKind;
@@ -114,14 +114,8 @@ async fn open_interaction(
         InteractionKind::Approval => PartKind::Approval,
         InteractionKind::Connection => PartKind::Connection,
     };
-    let part = runs::add_part_with(
-        tx,
-        row,
-        message_id,
-        part_kind,
-        Some(json!({ "interactionId": id, "toolCallId": call.id })),
-    )
-    .await?;
+    let data = json!({ "interactionId": id, "toolCallId": call.id });
+    let part = runs::add_part(tx, row, message_id, PartContent::data(part_kind, data)).await?;
     let now = now_millis();
     interaction::ActiveModel {
         id: Set(id),

@@ -215,9 +215,7 @@ async fn open_text_part(
         row,
         message_id,
         index,
-        PartKind::Text,
-        PartState::Streaming,
-        "",
+        PartContent::streaming(PartKind::Text),
     )
     .await?;
     events.push(part_event(EventKind::PartAdded, row, &part, Some(0))?);
@@ -337,7 +335,7 @@ pub async fn open_part(
         }
         None => (next_index(&tx, message_id).await?, None),
     };
-    let added = insert_part(&tx, &row, message_id, index, kind, PartState::Streaming, "").await?;
+    let added = insert_part(&tx, &row, message_id, index, PartContent::streaming(kind)).await?;
     events.push(part_event(EventKind::PartAdded, &row, &added, Some(0))?);
     tx.append(&conversation, events).await?;
     let committed = store.commit(tx).await?;
@@ -639,15 +637,13 @@ async fn abandon_open_parts_with(
         .one(&**tx)
         .await?
         .ok_or(Error::NotFound)?;
-    let notice = add_part(
-        tx,
-        &run,
-        message_id,
-        PartKind::Notice,
-        PartState::Done,
-        notice,
-    )
-    .await?;
+    let content = PartContent {
+        kind: PartKind::Notice,
+        state: PartState::Done,
+        text: Some(notice),
+        data: None,
+    };
+    let notice = add_part(tx, &run, message_id, content).await?;
     events.push(part_event(
         EventKind::PartAdded,
         &run,
@@ -696,36 +692,6 @@ async fn streaming_parts(tx: &WriteTx, run_id: Uuid) -> Result<Vec<part::Model>>
         .await?)
 }
 
-/// Adds a finished, textless part (a tool call's) with its data.
-pub(super) async fn add_part_with(
-    tx: &WriteTx,
-    run: &run::Model,
-    message_id: Uuid,
-    kind: PartKind,
-    data: Option<serde_json::Value>,
-) -> Result<part::Model> {
-    let index = next_index(tx, message_id).await?;
-    let now = now_millis();
-    Ok(part::ActiveModel {
-        id: Set(Uuid::now_v7()),
-        message_id: Set(message_id),
-        conversation_id: Set(run.conversation_id),
-        tenant: Set(run.tenant.clone()),
-        idx: Set(index),
-        kind: Set(kind.as_str().to_owned()),
-        state: Set(PartState::Done.as_str().to_owned()),
-        text: Set(None),
-        data: Set(data),
-        created_at: Set(now),
-        updated_at: Set(now),
-        run_id: Set(Some(run.id)),
-        abandoned: Set(false),
-        step: Set(run.steps),
-    }
-    .insert(&**tx)
-    .await?)
-}
-
 /// Marks a part changed (its tool call moved on) and says `part.updated`.
 pub(super) async fn part_touched(
     tx: &WriteTx,
@@ -742,16 +708,46 @@ pub(super) async fn part_touched(
     part_event(EventKind::PartUpdated, run, &touched, None)
 }
 
-async fn add_part(
+/// What a new part holds.
+pub(super) struct PartContent<'a> {
+    pub kind: PartKind,
+    pub state: PartState,
+    pub text: Option<&'a str>,
+    pub data: Option<serde_json::Value>,
+}
+
+impl PartContent<'static> {
+    /// An empty part that text will stream into.
+    fn streaming(kind: PartKind) -> Self {
+        PartContent {
+            kind,
+            state: PartState::Streaming,
+            text: Some(""),
+            data: None,
+        }
+    }
+
+    /// A finished part with data only (a tool call, a question, an
+    /// approval).
+    pub(super) fn data(kind: PartKind, data: serde_json::Value) -> Self {
+        PartContent {
+            kind,
+            state: PartState::Done,
+            text: None,
+            data: Some(data),
+        }
+    }
+}
+
+/// Adds a part after the message's last one.
+pub(super) async fn add_part(
     tx: &WriteTx,
     run: &run::Model,
     message_id: Uuid,
-    kind: PartKind,
-    state: PartState,
-    text: &str,
+    content: PartContent<'_>,
 ) -> Result<part::Model> {
     let index = next_index(tx, message_id).await?;
-    insert_part(tx, run, message_id, index, kind, state, text).await
+    insert_part(tx, run, message_id, index, content).await
 }
 
 async fn next_index(tx: &WriteTx, message_id: Uuid) -> Result<i32> {
@@ -768,9 +764,7 @@ async fn insert_part(
     run: &run::Model,
     message_id: Uuid,
     index: i32,
-    kind: PartKind,
-    state: PartState,
-    text: &str,
+    content: PartContent<'_>,
 ) -> Result<part::Model> {
     let now = now_millis();
     Ok(part::ActiveModel {
@@ -779,10 +773,10 @@ async fn insert_part(
         conversation_id: Set(run.conversation_id),
         tenant: Set(run.tenant.clone()),
         idx: Set(index),
-        kind: Set(kind.as_str().to_owned()),
-        state: Set(state.as_str().to_owned()),
-        text: Set(Some(text.to_owned())),
-        data: Set(None),
+        kind: Set(content.kind.as_str().to_owned()),
+        state: Set(content.state.as_str().to_owned()),
+        text: Set(content.text.map(str::to_owned)),
+        data: Set(content.data),
         created_at: Set(now),
         updated_at: Set(now),
         run_id: Set(Some(run.id)),

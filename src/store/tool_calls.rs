@@ -6,18 +6,22 @@
 //! has one is never asked for again.
 
 use sea_orm::ActiveValue::Set;
-use sea_orm::{ActiveModelTrait, ColumnTrait, EntityTrait, QueryFilter, QueryOrder, QuerySelect};
+use sea_orm::{
+    ActiveModelTrait, ColumnTrait, ConnectionTrait, EntityTrait, QueryFilter, QueryOrder,
+    QuerySelect,
+};
 use serde_json::{Value, json};
 use uuid::Uuid;
 
 use super::entities::{run, tool_call};
-use super::runs::{self, Ending, Lease, PartText, end_closed, open};
+use super::runs::{self, Ending, Lease, PartContent, PartText, end_closed, open};
 use super::{Error, Result, Store, WriteTx, parse_stored};
 use crate::domain::cursor::Cursor;
 use crate::domain::event::{EventBody, EventKind, NewEvent};
 use crate::domain::time::now_millis;
 use crate::domain::tool_call::{
-    ToolCallState, ToolCallStatus, ToolInput, ToolOutcome, closing_output, inline_output,
+    InlineOutput, ToolCallState, ToolCallStatus, ToolInput, ToolOutcome, closing_output,
+    inline_output,
 };
 use crate::domain::{PartKind, PartState};
 
@@ -74,14 +78,8 @@ pub async fn request(
     let mut stored = Vec::with_capacity(calls.len());
     for (idx, call) in calls.into_iter().enumerate() {
         let id = Uuid::now_v7();
-        let part = runs::add_part_with(
-            &tx,
-            &row,
-            message_id,
-            PartKind::ToolCall,
-            Some(json!({ "toolCallId": id })),
-        )
-        .await?;
+        let content = PartContent::data(PartKind::ToolCall, json!({ "toolCallId": id }));
+        let part = runs::add_part(&tx, &row, message_id, content).await?;
         events.push(runs::part_event(EventKind::PartAdded, &row, &part, None)?);
         let (state, input, output) = match call.verdict {
             Verdict::Run(input) => (ToolCallState::REQUESTED, Some(input), None),
@@ -127,7 +125,7 @@ pub async fn request(
         let mut row = row;
         runs::apply_usage(&mut row, &ending);
         events = end_closed(&tx, row, ending.cause, ending.error, ending.reason, events).await?;
-        stored = of_step_in(&tx, lease.run_id, stored.first().map_or(0, |c| c.step)).await?;
+        stored = of_step(&*tx, lease.run_id, stored.first().map_or(0, |c| c.step)).await?;
     }
     tx.append(&conversation, events).await?;
     let committed = store.commit(tx).await?;
@@ -135,21 +133,16 @@ pub async fn request(
 }
 
 /// The calls of a run's step, in batch order.
-pub async fn of_step(store: &Store, run_id: Uuid, step: i32) -> Result<Vec<tool_call::Model>> {
+pub async fn of_step<C: ConnectionTrait>(
+    db: &C,
+    run_id: Uuid,
+    step: i32,
+) -> Result<Vec<tool_call::Model>> {
     Ok(tool_call::Entity::find()
         .filter(tool_call::Column::RunId.eq(run_id))
         .filter(tool_call::Column::Step.eq(step))
         .order_by_asc(tool_call::Column::Idx)
-        .all(store.db())
-        .await?)
-}
-
-async fn of_step_in(tx: &WriteTx, run_id: Uuid, step: i32) -> Result<Vec<tool_call::Model>> {
-    Ok(tool_call::Entity::find()
-        .filter(tool_call::Column::RunId.eq(run_id))
-        .filter(tool_call::Column::Step.eq(step))
-        .order_by_asc(tool_call::Column::Idx)
-        .all(&**tx)
+        .all(db)
         .await?)
 }
 
@@ -273,11 +266,16 @@ pub async fn reject(
 ) -> Result<tool_call::Model> {
     let inline = inline_output(output, max_inline_bytes);
     change(store, lease, call_id, ToolInput::Reject, |active, _| {
-        active.output = Set(Some(inline.inline));
-        active.full_output = Set(inline.full);
-        active.output_truncated = Set(inline.truncated);
+        set_output(active, inline);
     })
     .await
+}
+
+/// An output as the call keeps it: inline (cut when large) and whole.
+fn set_output(active: &mut tool_call::ActiveModel, inline: InlineOutput) {
+    active.output = Set(Some(inline.inline));
+    active.full_output = Set(inline.full);
+    active.output_truncated = Set(inline.truncated);
 }
 
 /// Records what the tool answered.
@@ -295,11 +293,7 @@ pub async fn complete(
         lease,
         call_id,
         ToolInput::Finish { succeeded },
-        |active, _| {
-            active.output = Set(Some(inline.inline));
-            active.full_output = Set(inline.full);
-            active.output_truncated = Set(inline.truncated);
-        },
+        |active, _| set_output(active, inline),
     )
     .await
 }
@@ -325,16 +319,6 @@ pub async fn indeterminate(
         },
     )
     .await
-}
-
-/// Every call of the run, in the order the model asked for them.
-pub async fn of_run(store: &Store, run_id: Uuid) -> Result<Vec<tool_call::Model>> {
-    Ok(tool_call::Entity::find()
-        .filter(tool_call::Column::RunId.eq(run_id))
-        .order_by_asc(tool_call::Column::Step)
-        .order_by_asc(tool_call::Column::Idx)
-        .all(store.db())
-        .await?)
 }
 
 /// Gives every unfinished call of an ending run its one result: a started

@@ -203,18 +203,14 @@ async fn a_question_parks_the_run_validates_answers_and_resumes_exactly_once() {
     // quotes the latest one).
     let reply = final_text(&server, &token, &conversation, &run).await;
     assert!(reply.contains("Answers to your questions"), "{reply}");
-    let data = server
-        .gql(
+    let parts: Vec<Value> = server
+        .parts_of(
             &token,
-            "query($c: ID!) { conversation(id: $c) { messages { parts { kind interactionId question { status answers { key values other } } } } } }",
-            json!({ "c": conversation }),
+            &conversation,
+            "kind interactionId question { status answers { key values other } }",
         )
-        .await;
-    let parts: Vec<&Value> = data["conversation"]["messages"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .flat_map(|m| m["parts"].as_array().unwrap())
+        .await
+        .into_iter()
         .filter(|p| p["kind"] == "QUESTION")
         .collect();
     assert_eq!(parts.len(), 1);
@@ -358,21 +354,16 @@ async fn each_decision_does_what_it_says_and_gated_tools_never_run_without_one()
         requests[0].key.as_deref(),
         calls[0]["idempotencyKey"].as_str()
     );
-    let audit = server
-        .gql(
+    let approval_part = server
+        .parts_of(
             &token,
-            "query($c: ID!) { conversation(id: $c) { messages { parts { kind approval { decision decidedBy decidedAt } } } } }",
-            json!({ "c": conversation }),
+            &conversation,
+            "kind approval { decision decidedBy decidedAt }",
         )
-        .await;
-    let approval_part = audit["conversation"]["messages"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .flat_map(|m| m["parts"].as_array().unwrap())
+        .await
+        .into_iter()
         .find(|p| p["kind"] == "APPROVAL")
-        .unwrap()
-        .clone();
+        .unwrap();
     assert_eq!(approval_part["approval"]["decision"], "ALLOW_ONCE");
     assert_eq!(approval_part["approval"]["decidedBy"], "ada");
     assert!(approval_part["approval"]["decidedAt"].is_string());
@@ -661,19 +652,13 @@ async fn unanswered_interactions_expire_and_the_run_goes_on() {
     assert_eq!(publish["outcome"], "EXPIRED");
     assert!(downstream.requests().is_empty());
     assert!(pending_question(&server, &token, &run).await.is_null());
-    let data = server
-        .gql(
+    let parts = server
+        .parts_of(
             &token,
-            "query($c: ID!) { conversation(id: $c) { messages { parts { kind question { status } approval { status decision } } } } }",
-            json!({ "c": conversation }),
+            &conversation,
+            "kind question { status } approval { status decision }",
         )
         .await;
-    let parts: Vec<&Value> = data["conversation"]["messages"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .flat_map(|m| m["parts"].as_array().unwrap())
-        .collect();
     let question = parts.iter().find(|p| p["kind"] == "QUESTION").unwrap();
     assert_eq!(question["question"]["status"], "EXPIRED");
     let approval = parts.iter().find(|p| p["kind"] == "APPROVAL").unwrap();

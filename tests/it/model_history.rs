@@ -8,46 +8,18 @@ use serde_json::json;
 
 use crate::downstream::Downstream;
 use crate::fakes::{
-    FakeProvider, FakeToolCall, KEY, Reply, Wire, anthropic_sse, anthropic_sse_failing,
+    FakeProvider, FakeToolCall, Reply, Wire, anthropic_sse, anthropic_sse_failing,
     anthropic_sse_tool_calls,
 };
-use crate::support::{Server, ServerOptions, events_with_retries, of_type};
-use crate::tools::tool_sections;
+use crate::provider_tools;
+use crate::support::{Server, events_with_retries, of_type};
 
+/// An Anthropic agent with quick retries, on `provider_tools`'s server.
 async fn server(fake: &FakeProvider, downstream: &Downstream, agent_extra: &str) -> Server {
-    let config = format!(
-        r#"
-[runtime]
-checkpoint_ms = 40
-poll_ms = 100
-
-[[agents]]
-name = "model"
-provider = "anthropic"
-model = "fake-model"
-system = "Be brief."
-base_url = "{base}"
-api_key_env = "TETHER_TEST_PROVIDER_KEY"
-max_tokens = 321
-idle_timeout_secs = 5
-tools = ["effect"]
-{agent_extra}
-
-[agents.retry]
-max_attempts = 3
-initial_delay_ms = 50
-max_delay_ms = 100
-{tools}
-"#,
-        base = fake.base_url,
-        tools = tool_sections(downstream),
+    let keys = format!(
+        "system = \"Be brief.\"\nmax_tokens = 321\n{agent_extra}\n\n[agents.retry]\nmax_attempts = 3\ninitial_delay_ms = 50\nmax_delay_ms = 100\n"
     );
-    Server::start_with(ServerOptions {
-        config,
-        env: vec![("TETHER_TEST_PROVIDER_KEY".into(), KEY.into())],
-        role: "all",
-    })
-    .await
+    provider_tools::server(fake, "anthropic", downstream, &keys, "").await
 }
 
 /// Two messages queued while an earlier run streams: the second run's reply

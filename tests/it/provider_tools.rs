@@ -14,7 +14,7 @@ use crate::support::{Server, ServerOptions};
 use crate::tools::{tool_calls, tool_sections};
 
 /// A server whose agent `model` talks to the fake and offers `tools`.
-async fn server(
+pub async fn server(
     fake: &FakeProvider,
     provider: &str,
     downstream: &Downstream,

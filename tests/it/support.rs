@@ -500,6 +500,21 @@ impl Server {
             .collect()
     }
 
+    /// Every part of a conversation, oldest message first, with `fields`
+    /// selected on each part.
+    pub async fn parts_of(&self, token: &str, conversation: &str, fields: &str) -> Vec<Value> {
+        let query = format!(
+            "query($c: ID!) {{ conversation(id: $c) {{ messages {{ parts {{ {fields} }} }} }} }}"
+        );
+        let data = self.gql(token, &query, json!({ "c": conversation })).await;
+        data["conversation"]["messages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|m| m["parts"].as_array().unwrap().clone())
+            .collect()
+    }
+
     /// Every persisted event of a conversation, through `events` pages.
     pub async fn all_events(&self, token: &str, conversation: &str) -> Vec<Value> {
         let mut events = Vec::new();

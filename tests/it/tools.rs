@@ -151,18 +151,10 @@ async fn a_batch_of_three_runs_in_parallel_and_the_model_reads_three_results_in_
     assert_eq!(reply.matches(" returned ").count(), 3, "{reply}");
 
     // The calls appear as TOOL_CALL parts, with their events.
-    let data = server
-        .gql(
-            &token,
-            "query($c: ID!) { conversation(id: $c) { messages { runId parts { kind toolCall { id name } } } } }",
-            json!({ "c": conversation }),
-        )
-        .await;
-    let shown: Vec<&Value> = data["conversation"]["messages"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .flat_map(|m| m["parts"].as_array().unwrap())
+    let shown: Vec<Value> = server
+        .parts_of(&token, &conversation, "kind toolCall { id name }")
+        .await
+        .into_iter()
         .filter(|p| p["kind"] == "TOOL_CALL")
         .collect();
     assert_eq!(shown.len(), 3);
