@@ -169,6 +169,17 @@ pub struct ApiConfig {
     pub ws_init_timeout_secs: u64,
     /// Operations (subscriptions) one WebSocket may run at once.
     pub ws_max_operations: usize,
+    /// How long one frame may take to reach a WebSocket client before the
+    /// connection is given up as stalled.
+    pub ws_send_timeout_secs: u64,
+    /// How long a connection may take to send a request's headers, from
+    /// its start or from the end of its previous response.
+    pub header_read_timeout_secs: u64,
+    /// How long a keep-alive connection may wait for its next request.
+    pub keepalive_idle_secs: u64,
+    /// Connections served at once (WebSockets included); more wait to be
+    /// accepted.
+    pub max_connections: usize,
 }
 
 impl Default for ApiConfig {
@@ -182,6 +193,10 @@ impl Default for ApiConfig {
             ws_keepalive_secs: 15,
             ws_init_timeout_secs: 10,
             ws_max_operations: 100,
+            ws_send_timeout_secs: 10,
+            header_read_timeout_secs: 10,
+            keepalive_idle_secs: 60,
+            max_connections: 16_384,
         }
     }
 }
@@ -487,9 +502,33 @@ impl FileConfig {
         at_least("api.max_request_bytes", api.max_request_bytes, 1024)?;
         at_least("api.max_query_depth", api.max_query_depth, 4)?;
         at_least("api.max_query_complexity", api.max_query_complexity, 10)?;
-        at_least("api.ws_keepalive_secs", api.ws_keepalive_secs, 1)?;
-        at_least("api.ws_init_timeout_secs", api.ws_init_timeout_secs, 1)?;
+        between("api.ws_keepalive_secs", api.ws_keepalive_secs, 1, 3_600)?;
+        between(
+            "api.ws_init_timeout_secs",
+            api.ws_init_timeout_secs,
+            1,
+            3_600,
+        )?;
         at_least("api.ws_max_operations", api.ws_max_operations, 1)?;
+        between(
+            "api.ws_send_timeout_secs",
+            api.ws_send_timeout_secs,
+            1,
+            3_600,
+        )?;
+        between(
+            "api.header_read_timeout_secs",
+            api.header_read_timeout_secs,
+            1,
+            3_600,
+        )?;
+        between(
+            "api.keepalive_idle_secs",
+            api.keepalive_idle_secs,
+            1,
+            86_400,
+        )?;
+        between("api.max_connections", api.max_connections, 1, 1_000_000)?;
 
         let mut tool_names: HashSet<String> =
             BUILTIN_TOOLS.iter().map(|t| (*t).to_owned()).collect();
@@ -723,6 +762,19 @@ fn at_least<T: PartialOrd + std::fmt::Display>(
         Ok(())
     } else {
         Err(invalid(key, format!("must be at least {min}")))
+    }
+}
+
+fn between<T: PartialOrd + std::fmt::Display>(
+    key: &str,
+    value: T,
+    min: T,
+    max: T,
+) -> Result<(), ConfigError> {
+    if value >= min && value <= max {
+        Ok(())
+    } else {
+        Err(invalid(key, format!("must be between {min} and {max}")))
     }
 }
 

@@ -3,7 +3,6 @@
 use std::sync::Arc;
 
 use anyhow::Context as _;
-use axum::serve::ListenerExt;
 use tokio::net::TcpListener;
 
 use crate::api::{self, auth::Authenticator, auth::DEVELOPMENT_SECRET, context::Services};
@@ -42,8 +41,11 @@ pub fn authenticator(config: &Config) -> anyhow::Result<Authenticator> {
 pub struct Running {
     pub addr: std::net::SocketAddr,
     pub store: Store,
+    /// Stops the background tasks (the PostgreSQL listener).
     stopping: CancellationToken,
-    server: tokio::task::JoinHandle<std::io::Result<()>>,
+    /// Stops accepting connections.
+    serving: CancellationToken,
+    server: tokio::task::JoinHandle<()>,
     runtime: Option<Runtime>,
 }
 
@@ -51,12 +53,13 @@ impl Running {
     /// Stops serving, lets in-flight runs reach a commit point and gives
     /// them back, then returns.
     pub async fn shutdown(self) {
-        self.stopping.cancel();
+        self.serving.cancel();
         if let Some(runtime) = self.runtime {
             runtime.shutdown().await;
         }
         // Open WebSockets do not end by themselves; do not wait on them long.
         let _ = tokio::time::timeout(std::time::Duration::from_secs(5), self.server).await;
+        self.stopping.cancel();
     }
 }
 
@@ -102,21 +105,18 @@ pub async fn start(config: Config, role: Role) -> anyhow::Result<Running> {
         .with_context(|| format!("cannot listen on {}", config.listen))?;
     let addr = listener.local_addr()?;
     tracing::info!(%addr, ?role, "serving");
-    // Events are small frames: without TCP_NODELAY, Nagle's algorithm and a
-    // client's delayed ACK hold them back by tens of milliseconds.
-    let listener = listener.tap_io(|tcp| {
-        if let Err(err) = tcp.set_nodelay(true) {
-            tracing::debug!(error = %err, "cannot set TCP_NODELAY");
-        }
-    });
-    let stopping = CancellationToken::new();
-    let server =
-        axum::serve(listener, app).with_graceful_shutdown(stopping.clone().cancelled_owned());
-    let server = tokio::spawn(async move { server.await });
+    let serving = CancellationToken::new();
+    let server = tokio::spawn(api::listener::serve(
+        listener,
+        app,
+        api::listener::ConnectionLimits::of(&config.file.api),
+        serving.clone(),
+    ));
     Ok(Running {
         addr,
         store,
         stopping,
+        serving,
         server,
         runtime,
     })

@@ -17,6 +17,17 @@ pub struct Viewer {
     pub expires_at: i64,
 }
 
+impl Viewer {
+    /// How long until the token expires; zero once it has.
+    pub fn expires_in(&self) -> std::time::Duration {
+        let left = self
+            .expires_at
+            .saturating_mul(1000)
+            .saturating_sub(now_millis());
+        std::time::Duration::from_millis(u64::try_from(left).unwrap_or(0))
+    }
+}
+
 #[derive(Debug, Serialize, Deserialize)]
 struct Claims {
     sub: String,

@@ -4,7 +4,11 @@
 use std::ops::Deref;
 use std::sync::Arc;
 
-use async_graphql::Context;
+use async_graphql::extensions::{
+    Extension, ExtensionContext, ExtensionFactory, NextPrepareRequest,
+};
+use async_graphql::parser::types::OperationType;
+use async_graphql::{Context, Request, ServerResult};
 use sea_orm::DatabaseTransaction;
 use tokio::sync::OnceCell;
 
@@ -34,6 +38,47 @@ impl RequestSnapshot {
             tx: OnceCell::new(),
         }
     }
+}
+
+/// Gives every query and mutation its one snapshot, whichever transport
+/// carries it, so that `lastCursor` is never older than the messages read
+/// beside it. Subscriptions live long and read a snapshot per event instead.
+pub struct Snapshots(pub Store);
+
+impl ExtensionFactory for Snapshots {
+    fn create(&self) -> Arc<dyn Extension> {
+        Arc::new(Snapshots(self.0.clone()))
+    }
+}
+
+#[async_trait::async_trait]
+impl Extension for Snapshots {
+    async fn prepare_request(
+        &self,
+        ctx: &ExtensionContext<'_>,
+        mut request: Request,
+        next: NextPrepareRequest<'_>,
+    ) -> ServerResult<Request> {
+        if operation_type(&mut request) != Some(OperationType::Subscription) {
+            request = request.data(RequestSnapshot::new(self.0.clone()));
+        }
+        next.run(ctx, request).await
+    }
+}
+
+/// The type of the operation a request would run; `None` when it does not
+/// parse or names no operation it has (the executor refuses those).
+pub fn operation_type(request: &mut Request) -> Option<OperationType> {
+    let name = request.operation_name.clone();
+    let document = request.parsed_query().ok()?;
+    document
+        .operations
+        .iter()
+        .find(|(op_name, _)| match &name {
+            Some(name) => op_name.is_some_and(|n| n.as_str() == name),
+            None => true,
+        })
+        .map(|(_, op)| op.node.ty)
 }
 
 /// The request's snapshot, or a snapshot of its own where the request has

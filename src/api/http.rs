@@ -5,10 +5,12 @@ use axum::body::{Body, Bytes};
 use axum::extract::{FromRequestParts, Query, Request, State, WebSocketUpgrade};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{Html, IntoResponse, Response};
-use http_body_util::{BodyExt, LengthLimitError, Limited};
+use http_body_util::BodyExt;
 use serde::Deserialize;
 
-use super::context::RequestSnapshot;
+use async_graphql::parser::types::OperationType;
+
+use super::context::operation_type;
 use super::error::bad_request;
 use super::{AppState, ws};
 
@@ -20,6 +22,15 @@ pub async fn graphql_post(State(app): State<AppState>, request: Request) -> Resp
         Ok(viewer) => viewer,
         Err(_) => return unauthenticated(),
     };
+    let declared = parts
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    // A body too large even to drain is refused before a byte of it is read.
+    if declared.is_some_and(|length| length > DRAIN_BOUND as u64) {
+        return too_large(app.limits.max_request_bytes);
+    }
     let bytes = match read_limited(body, app.limits.max_request_bytes).await {
         Ok(bytes) => bytes,
         Err(response) => return response,
@@ -74,7 +85,7 @@ pub async fn graphql_get(State(app): State<AppState>, request: Request) -> Respo
         Ok(request) => request,
         Err(_) => return refusal(StatusCode::BAD_REQUEST, "malformed GraphQL query string"),
     };
-    if is_mutation(&mut request) {
+    if operation_type(&mut request) == Some(OperationType::Mutation) {
         return refusal(
             StatusCode::METHOD_NOT_ALLOWED,
             "mutations must be sent with POST",
@@ -89,9 +100,7 @@ async fn execute(
     request: async_graphql::Request,
     headers: &HeaderMap,
 ) -> Response {
-    let request = request
-        .data(viewer)
-        .data(RequestSnapshot::new(app.services.store.clone()));
+    let request = request.data(viewer);
     let response = app.schema.execute(request).await;
     let modern = headers
         .get(header::ACCEPT)
@@ -112,23 +121,6 @@ async fn execute(
     json_response(status, content_type, &response)
 }
 
-/// Whether the operation a request would run is a mutation (a request that
-/// does not parse is left to the executor to refuse).
-fn is_mutation(request: &mut async_graphql::Request) -> bool {
-    let name = request.operation_name.clone();
-    let Ok(document) = request.parsed_query() else {
-        return false;
-    };
-    document
-        .operations
-        .iter()
-        .find(|(op_name, _)| match &name {
-            Some(name) => op_name.is_some_and(|n| n.as_str() == name),
-            None => true,
-        })
-        .is_some_and(|(_, op)| op.node.ty == async_graphql::parser::types::OperationType::Mutation)
-}
-
 fn authorization(headers: &HeaderMap) -> Option<&str> {
     headers
         .get(header::AUTHORIZATION)
@@ -146,18 +138,47 @@ fn negotiate_protocol(headers: &HeaderMap) -> Option<WebSocketProtocols> {
     }
 }
 
-async fn read_limited(body: Body, limit: usize) -> Result<Bytes, Response> {
-    match Limited::new(body, limit).collect().await {
-        Ok(collected) => Ok(collected.to_bytes()),
-        Err(err) if err.downcast_ref::<LengthLimitError>().is_some() => Err(refusal(
-            StatusCode::PAYLOAD_TOO_LARGE,
-            &format!("the request body is larger than {limit} bytes"),
-        )),
-        Err(_) => Err(refusal(
-            StatusCode::BAD_REQUEST,
-            "the request body could not be read",
-        )),
+/// How much of an oversized body is read and thrown away so that the client,
+/// still sending, receives the 413 instead of a reset connection.
+const DRAIN_BOUND: usize = 16 * 1024 * 1024;
+
+async fn read_limited(mut body: Body, limit: usize) -> Result<Bytes, Response> {
+    let mut bytes = Vec::new();
+    let mut seen: usize = 0;
+    while let Some(frame) = body.frame().await {
+        let Ok(frame) = frame else {
+            return Err(refusal(
+                StatusCode::BAD_REQUEST,
+                "the request body could not be read",
+            ));
+        };
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        seen = seen.saturating_add(data.len());
+        if seen <= limit {
+            bytes.extend_from_slice(&data);
+        } else if seen > DRAIN_BOUND {
+            break;
+        }
     }
+    if seen > limit {
+        return Err(too_large(limit));
+    }
+    Ok(bytes.into())
+}
+
+/// The 413 for a body over `limit`; the connection closes after it, since
+/// the rest of the body may still be on its way.
+fn too_large(limit: usize) -> Response {
+    let mut response = refusal(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        &format!("the request body is larger than {limit} bytes"),
+    );
+    response
+        .headers_mut()
+        .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    response
 }
 
 fn json_response(status: StatusCode, content_type: &str, body: &impl serde::Serialize) -> Response {

@@ -6,6 +6,7 @@ pub mod error;
 pub mod events;
 mod feed;
 mod http;
+pub mod listener;
 pub mod mutation;
 pub mod query;
 pub mod subscription;
@@ -20,7 +21,7 @@ use axum::routing::get;
 
 use crate::config::ApiConfig;
 use auth::Authenticator;
-use context::Services;
+use context::{Services, Snapshots};
 use error::ErrorCodes;
 use mutation::Mutation;
 use query::Query;
@@ -43,6 +44,7 @@ pub fn schema(services: Services) -> TetherSchema {
         .limit_depth(limits.max_query_depth)
         .limit_complexity(limits.max_query_complexity)
         .extension(ErrorCodes)
+        .extension(Snapshots(services.store.clone()))
         .data(services.clone())
         .finish()
 }

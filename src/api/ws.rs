@@ -9,22 +9,24 @@ use std::time::Duration;
 use async_graphql::Data;
 use async_graphql::http::{WebSocket as GraphqlSocket, WebSocketProtocols, WsMessage};
 use axum::extract::ws::{CloseFrame, Message, WebSocket};
-use futures_util::StreamExt;
+use futures_util::stream::SplitSink;
+use futures_util::{SinkExt, StreamExt};
 use tokio::sync::{mpsc, oneshot};
-use tokio::time::{Instant, sleep, sleep_until};
+use tokio::time::{Instant, sleep, timeout};
 use tokio_stream::wrappers::ReceiverStream;
 
 use super::AppState;
 use super::auth::Viewer;
-use crate::domain::time::now_millis;
 
 /// Client frames buffered towards the protocol engine.
 const INBOUND_BUFFER: usize = 16;
 
 const CLOSE_FORBIDDEN: u16 = 4403;
 const CLOSE_INIT_TIMEOUT: u16 = 4408;
+const CLOSE_TOO_LARGE: u16 = 1009;
 
-pub async fn serve(mut socket: WebSocket, protocol: WebSocketProtocols, app: AppState) {
+pub async fn serve(socket: WebSocket, protocol: WebSocketProtocols, app: AppState) {
+    let (mut sink, mut stream) = socket.split();
     let (inbound, inbound_rx) = mpsc::channel::<String>(INBOUND_BUFFER);
     let (auth_tx, mut auth_rx) = oneshot::channel::<Option<Viewer>>();
     let auth = app.auth.clone();
@@ -46,20 +48,27 @@ pub async fn serve(mut socket: WebSocket, protocol: WebSocketProtocols, app: App
         }
     });
 
-    let init_deadline = sleep(Duration::from_secs(app.limits.ws_init_timeout_secs));
+    let limits = &app.limits;
+    let send_timeout = Duration::from_secs(limits.ws_send_timeout_secs);
+    let init_deadline = sleep(Duration::from_secs(limits.ws_init_timeout_secs));
     tokio::pin!(init_deadline);
-    let far_future = Instant::now() + Duration::from_secs(86_400 * 365);
-    let expiry = sleep_until(far_future);
+    // Until a token is accepted nothing expires; `sleep` saturates a
+    // duration this long instead of overflowing.
+    let expiry = sleep(Duration::MAX);
     tokio::pin!(expiry);
-    let mut keepalive = tokio::time::interval(Duration::from_secs(app.limits.ws_keepalive_secs));
+    let mut keepalive = tokio::time::interval(Duration::from_secs(limits.ws_keepalive_secs));
     keepalive.reset();
-    let mut operations = Operations::new(app.limits.ws_max_operations);
+    let mut operations = Operations::new(limits.ws_max_operations);
     let mut authenticated = false;
     let mut auth_pending = true;
 
     let close: Option<(u16, String)> = loop {
         tokio::select! {
-            incoming = socket.recv() => match incoming {
+            // The socket is read only while the engine's buffer has room.
+            // The engine drains that buffer when it is polled (the arm
+            // below), so a flood of frames waits in the socket, and the
+            // timers and outgoing frames of this loop keep being served.
+            incoming = stream.next(), if inbound.capacity() > 0 => match incoming {
                 Some(Ok(frame @ (Message::Text(_) | Message::Binary(_)))) => {
                     let text = match frame {
                         Message::Text(text) => text.to_string(),
@@ -69,20 +78,21 @@ pub async fn serve(mut socket: WebSocket, protocol: WebSocketProtocols, app: App
                         },
                     };
                     if let Some(refusal) = operations.admit(protocol, &text) {
-                        if socket.send(Message::Text(refusal.into())).await.is_err() {
+                        if !send(&mut sink, Message::Text(refusal.into()), send_timeout).await {
                             break None;
                         }
-                    } else if inbound.send(text).await.is_err() {
+                    } else if inbound.try_send(text).is_err() {
                         break None;
                     }
                 }
                 Some(Ok(Message::Ping(_) | Message::Pong(_))) => {}
-                Some(Ok(Message::Close(_))) | Some(Err(_)) | None => break None,
+                Some(Err(err)) => break too_large(err, limits.max_request_bytes),
+                Some(Ok(Message::Close(_))) | None => break None,
             },
             outgoing = engine.next() => match outgoing {
                 Some(WsMessage::Text(text)) => {
                     operations.ended(&text);
-                    if socket.send(Message::Text(text.into())).await.is_err() {
+                    if !send(&mut sink, Message::Text(text.into()), send_timeout).await {
                         break None;
                     }
                 }
@@ -96,8 +106,7 @@ pub async fn serve(mut socket: WebSocket, protocol: WebSocketProtocols, app: App
                 match result {
                     Ok(Some(viewer)) => {
                         authenticated = true;
-                        let left_ms = (viewer.expires_at * 1000 - now_millis()).max(0) as u64;
-                        expiry.as_mut().reset(Instant::now() + Duration::from_millis(left_ms));
+                        expiry.as_mut().reset(deadline_after(viewer.expires_in()));
                     }
                     _ => break Some(forbidden("forbidden")),
                 }
@@ -111,7 +120,7 @@ pub async fn serve(mut socket: WebSocket, protocol: WebSocketProtocols, app: App
                     WebSocketProtocols::GraphQLWS => r#"{"type":"ping"}"#,
                     WebSocketProtocols::SubscriptionsTransportWS => r#"{"type":"ka"}"#,
                 };
-                if socket.send(Message::Text(ping.into())).await.is_err() {
+                if !send(&mut sink, Message::Text(ping.into()), send_timeout).await {
                     break None;
                 }
             },
@@ -122,7 +131,33 @@ pub async fn serve(mut socket: WebSocket, protocol: WebSocketProtocols, app: App
             code,
             reason: reason.into(),
         };
-        let _ = socket.send(Message::Close(Some(frame))).await;
+        send(&mut sink, Message::Close(Some(frame)), send_timeout).await;
+    }
+}
+
+/// `now + after`, or thirty years on where that does not fit.
+fn deadline_after(after: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(after)
+        .unwrap_or_else(|| now + Duration::from_secs(86_400 * 365 * 30))
+}
+
+/// Sends one frame, giving up on a client that does not take it in time.
+/// Returns whether the frame went out.
+async fn send(sink: &mut SplitSink<WebSocket, Message>, frame: Message, limit: Duration) -> bool {
+    matches!(timeout(limit, sink.send(frame)).await, Ok(Ok(())))
+}
+
+/// The close for a read error: a frame over the size limit gets 1009 and a
+/// reason; any other error ends the connection without one.
+fn too_large(err: axum::Error, limit: usize) -> Option<(u16, String)> {
+    let source = err.into_inner();
+    match source.downcast_ref::<tungstenite::Error>() {
+        Some(tungstenite::Error::Capacity(_)) => Some((
+            CLOSE_TOO_LARGE,
+            format!("message larger than {limit} bytes"),
+        )),
+        _ => None,
     }
 }
 

@@ -360,3 +360,67 @@ async fn a_connection_runs_a_bounded_number_of_operations() {
     let answer = client.next_event("d").await;
     assert_eq!(answer["data"]["me"]["tenant"], "acme");
 }
+
+/// A query over WebSocket reads one snapshot, as over HTTP: its
+/// `lastCursor` matches the messages it returned while writers commit.
+#[tokio::test]
+async fn a_websocket_query_reads_one_snapshot_while_writers_commit() {
+    let server = Server::start().await;
+    let token = server.token("acme", "ada");
+    let conversation = server.create_conversation(&token).await;
+    let server = std::sync::Arc::new(server);
+    let mut writers = Vec::new();
+    for w in 0..4 {
+        let (server, token, conversation) = (server.clone(), token.clone(), conversation.clone());
+        writers.push(tokio::spawn(async move {
+            for i in 0..20 {
+                server
+                    .send(&token, &conversation, &format!("writer {w} message {i}"))
+                    .await;
+            }
+        }));
+    }
+    let mut client = WsClient::connect(&server, &token).await;
+    let query = "query($c: ID!) { conversation(id: $c) { before: lastCursor messages(last: 100) { id } after: lastCursor } }";
+    let mut reads = Vec::new();
+    let mut n = 0;
+    while !writers.iter().all(|w| w.is_finished()) || reads.is_empty() {
+        let id = format!("q{n}");
+        n += 1;
+        client
+            .subscribe(&id, query, json!({ "c": conversation }))
+            .await;
+        let payload = client.next_event(&id).await;
+        let read = payload["data"]["conversation"].clone();
+        assert_eq!(read["before"], read["after"], "one snapshot: {read}");
+        reads.push(read);
+    }
+    for writer in writers {
+        writer.await.unwrap();
+    }
+    let events = server
+        .gql(
+            &token,
+            "query($c: ID!) { events(conversationId: $c, first: 1000) { hasMore events { cursor type ... on MessageEvent { messageId } } } }",
+            json!({ "c": conversation }),
+        )
+        .await["events"]
+        .clone();
+    assert_eq!(events["hasMore"], false);
+    let events = events["events"].as_array().unwrap();
+    for read in &reads {
+        let cursor = read["before"].as_str().unwrap();
+        let created: HashSet<&str> = events
+            .iter()
+            .filter(|e| e["type"] == "message.created" && e["cursor"].as_str().unwrap() <= cursor)
+            .map(|e| e["messageId"].as_str().unwrap())
+            .collect();
+        let returned: HashSet<&str> = read["messages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| m["id"].as_str().unwrap())
+            .collect();
+        assert_eq!(created, returned, "messages as of {cursor}");
+    }
+}

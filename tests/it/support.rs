@@ -292,6 +292,14 @@ impl Server {
         spawn(&self.db, &options, &instance, &[]).await.0
     }
 
+    /// The server process's open file descriptors.
+    pub fn open_fds(&self) -> usize {
+        let pid = self.child.id().expect("the server is running");
+        std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .expect("the server's descriptors are readable")
+            .count()
+    }
+
     /// Kills the process with SIGKILL and waits for it to be gone.
     pub async fn kill(&mut self) {
         self.child.kill().await.unwrap();
@@ -589,6 +597,41 @@ impl WsClient {
             .send(WsFrame::Text(value.to_string().into()))
             .await
             .unwrap();
+    }
+
+    /// Queues `count` copies of a text frame and sends them at once, not
+    /// waiting for the server to read any.
+    pub async fn flood(&mut self, text: &str, count: usize) -> Result<(), String> {
+        for _ in 0..count {
+            self.feed(text).await?;
+        }
+        self.flush().await
+    }
+
+    /// Queues a text frame without sending it.
+    pub async fn feed(&mut self, text: &str) -> Result<(), String> {
+        self.socket
+            .feed(WsFrame::Text(text.to_owned().into()))
+            .await
+            .map_err(|e| e.to_string())
+    }
+
+    pub async fn flush(&mut self) -> Result<(), String> {
+        self.socket.flush().await.map_err(|e| e.to_string())
+    }
+
+    /// The next frame as it came, keepalives included; `None` once the
+    /// socket ended.
+    pub async fn next_frame(&mut self) -> Option<WsFrame> {
+        tokio::time::timeout(PATIENCE, self.socket.next())
+            .await
+            .expect("a WebSocket frame in time")?
+            .ok()
+    }
+
+    /// Sends one frame as it is.
+    pub async fn send_frame(&mut self, frame: WsFrame) -> Result<(), String> {
+        self.socket.send(frame).await.map_err(|e| e.to_string())
     }
 
     pub async fn subscribe(&mut self, id: &str, query: &str, variables: Value) {
