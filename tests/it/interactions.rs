@@ -8,7 +8,7 @@ use crate::downstream::Downstream;
 use crate::fakes::{
     FakeProvider, FakeToolCall, KEY, Reply, Wire, anthropic_sse, anthropic_sse_tool_calls,
 };
-use crate::support::{Server, ServerOptions, of_type};
+use crate::support::{Server, ServerOptions, of_type, on_postgres};
 use crate::tools::{final_text, tool_calls};
 
 fn config(downstream: &Downstream) -> String {
@@ -728,7 +728,13 @@ async fn another_tenant_can_neither_see_nor_resolve_interactions() {
 async fn two_workers_racing_to_resume_a_decided_run_execute_it_once() {
     let downstream = Downstream::start().await;
     let server = Server::start_workers(&config(&downstream)).await;
-    let _second_worker = server.companion("worker").await;
+    // A second worker process shares PostgreSQL; on a SQLite file one
+    // process alone may run workers (it holds the file's worker lock).
+    let _second_worker = if on_postgres() {
+        Some(server.companion("worker").await)
+    } else {
+        None
+    };
     let token = server.token("acme", "ada");
     let mut waiting = Vec::new();
     for i in 0..4 {
