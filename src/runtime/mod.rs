@@ -122,14 +122,16 @@ async fn dispatch(
             Err(err) => tracing::error!(error = %err, "start-up recovery failed"),
         }
     } else {
-        let wait = Duration::from_secs_f64(rt.heartbeat_secs * 2.0)
-            .min(Duration::from_millis(lease_ms.max(0) as u64));
-        tokio::spawn(reclaim_own(
-            store.clone(),
-            options.instance_id.clone(),
-            wait,
-            budget,
-        ));
+        // Listed before this process claims anything under the same id.
+        match queue::held_by(&store, &options.instance_id).await {
+            Ok(held) if held.is_empty() => {}
+            Ok(held) => {
+                let wait = Duration::from_secs_f64(rt.heartbeat_secs * 2.0)
+                    .min(Duration::from_millis(lease_ms.max(0) as u64));
+                tokio::spawn(reclaim_unrenewed(store.clone(), held, wait, budget));
+            }
+            Err(err) => tracing::error!(error = %err, "start-up recovery failed"),
+        }
     }
 
     let controls = Controls::default();
@@ -221,15 +223,7 @@ async fn dispatch(
 /// Reclaims the runs an earlier process with this instance id left, once
 /// `wait` (longer than a heartbeat) shows that nobody renews their leases.
 /// Claims meanwhile go on: they only take queued runs.
-async fn reclaim_own(store: Store, instance_id: String, wait: Duration, budget: u32) {
-    let held = match queue::held_by(&store, &instance_id).await {
-        Ok(held) if held.is_empty() => return,
-        Ok(held) => held,
-        Err(err) => {
-            tracing::error!(error = %err, "start-up recovery failed");
-            return;
-        }
-    };
+async fn reclaim_unrenewed(store: Store, held: Vec<queue::Held>, wait: Duration, budget: u32) {
     tokio::time::sleep(wait).await;
     match queue::reclaim(&store, Reclaim::Unrenewed(&held), budget).await {
         Ok(n) => {
