@@ -28,11 +28,12 @@ use crate::tools::registry::Registry as ToolRegistry;
 use engine::{Control, Stop};
 
 pub struct RuntimeOptions {
-    /// Names this process's leases; a restart with the same id reclaims them
-    /// at once.
+    /// Names this process's leases; a restart with the same id reclaims
+    /// those nobody renews any more without waiting for them to run out.
     pub instance_id: String,
-    /// The database belongs to this process alone (embedded SQLite): every
-    /// lease left over at start-up is reclaimed at once.
+    /// This process holds the database's worker lock (embedded SQLite), so
+    /// no other can hold a lease: every lease left over at start-up is
+    /// reclaimed at once. Never set it without holding that lock.
     pub sole_owner: bool,
 }
 
