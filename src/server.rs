@@ -47,6 +47,8 @@ pub struct Running {
     serving: CancellationToken,
     server: tokio::task::JoinHandle<()>,
     runtime: Option<Runtime>,
+    /// Held for the process's life: dropping the file releases the lock.
+    _worker_lock: Option<std::fs::File>,
 }
 
 impl Running {
@@ -69,6 +71,10 @@ pub async fn start(config: Config, role: Role) -> anyhow::Result<Running> {
             "TETHER_JWT_SECRET is not set: using the development secret (loopback only)"
         );
     }
+    let worker_lock = match role {
+        Role::Api => None,
+        Role::All | Role::Worker => lock_sqlite_for_workers(&config.database_url)?,
+    };
     let store = open_store(&config).await?;
     let auth = authenticator(&config)?;
     let stopping = CancellationToken::new();
@@ -88,7 +94,7 @@ pub async fn start(config: Config, role: Role) -> anyhow::Result<Running> {
             tools,
             RuntimeOptions {
                 instance_id: instance_id(),
-                sole_owner: config.database_url.starts_with("sqlite:"),
+                sole_owner: worker_lock.is_some(),
             },
         )
     });
@@ -119,7 +125,47 @@ pub async fn start(config: Config, role: Role) -> anyhow::Result<Running> {
         serving,
         server,
         runtime,
+        _worker_lock: worker_lock,
     })
+}
+
+/// On SQLite, the workers of one process alone may use the database: they
+/// reclaim every lease at start-up, so a second worker process (an
+/// overlapping deploy) would take runs from a live one. An exclusive lock
+/// on `<database>.lock`, which the OS drops with the process, makes that
+/// true; a second worker is refused. API-only processes take no lock.
+/// `None` on PostgreSQL and for an in-memory SQLite database.
+fn lock_sqlite_for_workers(database_url: &str) -> anyhow::Result<Option<std::fs::File>> {
+    use std::str::FromStr as _;
+    if !database_url.starts_with("sqlite:")
+        || database_url.contains(":memory:")
+        || database_url.contains("mode=memory")
+    {
+        return Ok(None);
+    }
+    let options = sea_orm::sqlx::sqlite::SqliteConnectOptions::from_str(database_url)
+        .context("TETHER_DATABASE_URL is not a usable SQLite URL")?;
+    let mut path = options.get_filename().as_os_str().to_owned();
+    path.push(".lock");
+    let path = std::path::PathBuf::from(path);
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .with_context(|| format!("cannot open the worker lock file {}", path.display()))?;
+    match file.try_lock() {
+        Ok(()) => Ok(Some(file)),
+        Err(std::fs::TryLockError::WouldBlock) => anyhow::bail!(
+            "another tether process runs workers on this SQLite database (it holds {}); \
+             only one may, since it owns every run lease. Stop it first, or start this one \
+             with --role api",
+            path.display()
+        ),
+        Err(std::fs::TryLockError::Error(err)) => {
+            Err(err).with_context(|| format!("cannot lock the worker lock file {}", path.display()))
+        }
+    }
 }
 
 /// `tether serve`: start, announce the address, run until SIGTERM or Ctrl-C.

@@ -66,7 +66,7 @@ impl Control {
         self.token.cancel();
     }
 
-    fn reason(&self) -> Option<Stop> {
+    pub(crate) fn reason(&self) -> Option<Stop> {
         *self.reason.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
@@ -514,6 +514,20 @@ impl Steps<'_> {
             return end(store, lease, attempt, ending).await;
         }
         let delay = policy.delay(failed_attempt as u32, err.retry_after(), fastrand::f64());
+        // Parked, it would hold its conversation for the whole delay only to
+        // find no time left.
+        if Instant::now()
+            .checked_add(delay)
+            .is_none_or(|due| due >= self.deadline)
+        {
+            let message = format!(
+                "the next attempt would start after {}s, past the run's time limit; last error: {}",
+                delay.as_secs(),
+                error.message
+            );
+            let ending = failed(EndCause::Timeout, message, usage, step);
+            return end(store, lease, attempt, ending).await;
+        }
         tracing::info!(
             attempt = failed_attempt,
             delay_ms = delay.as_millis() as u64,

@@ -28,11 +28,12 @@ use crate::tools::registry::Registry as ToolRegistry;
 use engine::{Control, Stop};
 
 pub struct RuntimeOptions {
-    /// Names this process's leases; a restart with the same id reclaims them
-    /// at once.
+    /// Names this process's leases; a restart with the same id reclaims
+    /// those nobody renews any more without waiting for them to run out.
     pub instance_id: String,
-    /// The database belongs to this process alone (embedded SQLite): every
-    /// lease left over at start-up is reclaimed at once.
+    /// This process holds the database's worker lock (embedded SQLite), so
+    /// no other can hold a lease: every lease left over at start-up is
+    /// reclaimed at once. Never set it without holding that lock.
     pub sole_owner: bool,
 }
 
@@ -42,8 +43,48 @@ pub struct Runtime {
     task: tokio::task::JoinHandle<()>,
 }
 
-/// The controls of the runs this process executes, by run id.
-type Controls = Arc<Mutex<HashMap<Uuid, Arc<Control>>>>;
+/// The controls of the runs this process executes, by run id. A run that
+/// parks, resumes and is claimed again here gets a new entry while its old
+/// execution may still be cleaning up, so each execution removes only its
+/// own.
+#[derive(Clone, Default)]
+struct Controls(Arc<Mutex<HashMap<Uuid, Arc<Control>>>>);
+
+impl Controls {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<Uuid, Arc<Control>>> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// A fresh control for a claim of `run_id`, replacing an older one.
+    fn open(&self, run_id: Uuid) -> Arc<Control> {
+        let control = Arc::new(Control::default());
+        self.lock().insert(run_id, control.clone());
+        control
+    }
+
+    /// Removes `control` if it is still the entry for `run_id`.
+    fn close(&self, run_id: Uuid, control: &Arc<Control>) {
+        let mut controls = self.lock();
+        if controls
+            .get(&run_id)
+            .is_some_and(|current| Arc::ptr_eq(current, control))
+        {
+            controls.remove(&run_id);
+        }
+    }
+
+    fn stop(&self, run_id: Uuid, reason: Stop) {
+        if let Some(control) = self.lock().get(&run_id) {
+            control.stop(reason);
+        }
+    }
+
+    fn stop_all(&self, reason: Stop) {
+        for control in self.lock().values() {
+            control.stop(reason);
+        }
+    }
+}
 
 impl Runtime {
     pub fn start(
@@ -75,18 +116,26 @@ async fn dispatch(
     let rt = &config.runtime;
     let budget = rt.crash_retry_budget;
     let lease_ms = (rt.lease_secs * 1000.0) as i64;
-    let startup = if options.sole_owner {
-        Reclaim::All
+    if options.sole_owner {
+        match queue::reclaim(&store, Reclaim::All, budget).await {
+            Ok(0) => {}
+            Ok(n) => tracing::info!(runs = n, "recovered runs left by an earlier process"),
+            Err(err) => tracing::error!(error = %err, "start-up recovery failed"),
+        }
     } else {
-        Reclaim::OwnedBy(&options.instance_id)
-    };
-    match queue::reclaim(&store, startup, budget).await {
-        Ok(0) => {}
-        Ok(n) => tracing::info!(runs = n, "recovered runs left by an earlier process"),
-        Err(err) => tracing::error!(error = %err, "start-up recovery failed"),
+        // Listed before this process claims anything under the same id.
+        match queue::held_by(&store, &options.instance_id).await {
+            Ok(held) if held.is_empty() => {}
+            Ok(held) => {
+                let wait = Duration::from_secs_f64(rt.heartbeat_secs * 2.0)
+                    .min(Duration::from_millis(lease_ms.max(0) as u64));
+                tokio::spawn(reclaim_unrenewed(store.clone(), held, wait, budget));
+            }
+            Err(err) => tracing::error!(error = %err, "start-up recovery failed"),
+        }
     }
 
-    let controls: Controls = Arc::default();
+    let controls = Controls::default();
     let slots = Arc::new(Semaphore::new(rt.concurrency));
     let freed = Arc::new(Notify::new());
     let mut tasks = JoinSet::new();
@@ -116,8 +165,7 @@ async fn dispatch(
                 let Ok(permit) = slots.clone().try_acquire_owned() else {
                     break;
                 };
-                let control = Arc::new(Control::default());
-                lock(&controls).insert(claimed.id, control.clone());
+                let control = controls.open(claimed.id);
                 let (store, config, tools, controls, freed) = (
                     store.clone(),
                     config.clone(),
@@ -127,8 +175,8 @@ async fn dispatch(
                 );
                 tasks.spawn(async move {
                     let run_id = claimed.id;
-                    hold(store, config, tools, claimed, control).await;
-                    lock(&controls).remove(&run_id);
+                    hold(store, config, tools, claimed, control.clone()).await;
+                    controls.close(run_id, &control);
                     drop(permit);
                     freed.notify_one();
                 });
@@ -155,19 +203,15 @@ async fn dispatch(
                 }
             }
             request = cancels.recv() => {
-                if let Ok(run_id) = request
-                    && let Some(control) = lock(&controls).get(&run_id)
-                {
-                    control.stop(Stop::Cancelled);
+                if let Ok(run_id) = request {
+                    controls.stop(run_id, Stop::Cancelled);
                 }
             }
             Some(_) = tasks.join_next() => {}
         }
     }
 
-    for control in lock(&controls).values() {
-        control.stop(Stop::Shutdown);
-    }
+    controls.stop_all(Stop::Shutdown);
     let grace = Duration::from_secs_f64(rt.shutdown_grace_secs);
     let drained =
         tokio::time::timeout(grace, async { while tasks.join_next().await.is_some() {} }).await;
@@ -177,8 +221,26 @@ async fn dispatch(
     }
 }
 
-fn lock(controls: &Controls) -> std::sync::MutexGuard<'_, HashMap<Uuid, Arc<Control>>> {
-    controls.lock().unwrap_or_else(PoisonError::into_inner)
+/// Reclaims the runs an earlier process with this instance id left, once
+/// `wait` (longer than a heartbeat) shows that nobody renews their leases.
+/// Claims meanwhile go on: they only take queued runs.
+async fn reclaim_unrenewed(store: Store, held: Vec<queue::Held>, wait: Duration, budget: u32) {
+    tokio::time::sleep(wait).await;
+    match queue::reclaim(&store, Reclaim::Unrenewed(&held), budget).await {
+        Ok(n) => {
+            if n > 0 {
+                tracing::info!(runs = n, "recovered runs left by an earlier process");
+            }
+            if n < held.len() {
+                tracing::warn!(
+                    runs = held.len() - n,
+                    "runs under this instance id were renewed or moved on since start-up, \
+                     so they are left alone (does a live process share TETHER_INSTANCE_ID?)"
+                );
+            }
+        }
+        Err(err) => tracing::error!(error = %err, "start-up recovery failed"),
+    }
 }
 
 /// Executes a claimed run while a heartbeat renews its lease.
@@ -219,4 +281,29 @@ async fn hold(
     // out so that the run is recovered.
     let _heartbeat = AbortOnDropHandle::new(heartbeat);
     engine::execute(store, config, tools, claimed, control).await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_old_execution_removes_only_its_own_control() {
+        let controls = Controls::default();
+        let run_id = Uuid::now_v7();
+        let old = controls.open(run_id);
+        // The run parked, resumed and was claimed again by this process
+        // before the old execution's clean-up ran.
+        let new = controls.open(run_id);
+        controls.close(run_id, &old);
+        controls.stop(run_id, Stop::Cancelled);
+        assert_eq!(
+            new.reason(),
+            Some(Stop::Cancelled),
+            "the new claim's control is reachable"
+        );
+        assert_eq!(old.reason(), None);
+        controls.close(run_id, &new);
+        assert!(controls.lock().is_empty());
+    }
 }

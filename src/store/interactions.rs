@@ -247,6 +247,18 @@ pub async fn abandon_waiting(
         InteractionStatus::Cancelled,
     )
     .await?;
+    // Taken with the call's result, whatever a person decided meanwhile:
+    // an untaken resolution would keep a later park of the run waiting for
+    // a take that never comes.
+    interaction::Entity::update_many()
+        .col_expr(
+            interaction::Column::ClaimedAt,
+            sea_orm::sea_query::Expr::value(now_millis()),
+        )
+        .filter(interaction::Column::ToolCallId.eq(call_id))
+        .filter(interaction::Column::ClaimedAt.is_null())
+        .exec(&*tx)
+        .await?;
     let (_, events) = change_in(&tx, &row, call_id, ToolInput::Cancel, |active, _| {
         active.output = Set(Some(output));
     })
@@ -387,11 +399,24 @@ pub async fn park(
         return Ok(false);
     }
     if waiting == Waiting::Approval {
+        // Only a decision this step's batch can still take counts: one of
+        // an earlier step, or a cancelled one, is never taken, and would
+        // keep the run from parking for good.
+        let this_step = sea_orm::sea_query::Query::select()
+            .column(tool_call::Column::Id)
+            .from(tool_call::Entity)
+            .and_where(tool_call::Column::RunId.eq(row.id))
+            .and_where(tool_call::Column::Step.eq(row.steps))
+            .to_owned();
         let untaken = interaction::Entity::find()
             .filter(interaction::Column::RunId.eq(row.id))
             .filter(interaction::Column::Kind.eq(kind.as_str()))
-            .filter(interaction::Column::Status.ne(InteractionStatus::Pending.as_str()))
+            .filter(interaction::Column::Status.is_in([
+                InteractionStatus::Resolved.as_str(),
+                InteractionStatus::Expired.as_str(),
+            ]))
             .filter(interaction::Column::ClaimedAt.is_null())
+            .filter(interaction::Column::ToolCallId.in_subquery(this_step))
             .one(&*tx)
             .await?;
         if untaken.is_some() {
@@ -697,11 +722,10 @@ mod tests {
     use serde_json::json;
 
     use super::*;
-    use crate::domain::ActiveRunStrategy;
     use crate::domain::interaction::ApprovalDecision;
-    use crate::store::commands::{self, NewConversation, NewMessage};
+    use crate::store::commands;
     use crate::store::queue;
-    use crate::store::test_support::temp_store;
+    use crate::store::test_support::{queued_run, temp_store};
     use crate::store::tool_calls::{self, NewToolCall, Verdict};
 
     fn actor() -> Actor {
@@ -714,24 +738,7 @@ mod tests {
     /// A claimed run with one gated call waiting for approval, asked with
     /// this time to live.
     async fn waiting_call(store: &Store, ttl_ms: i64) -> (Lease, Uuid) {
-        let conversation = commands::create_conversation(
-            store,
-            &actor(),
-            NewConversation {
-                agent: "demo".into(),
-                title: None,
-            },
-        )
-        .await
-        .unwrap();
-        let new = NewMessage {
-            conversation_id: conversation.id,
-            text: "hi".into(),
-            client_message_id: None,
-            on_active_run: ActiveRunStrategy::Queue,
-            max_attempts: 3,
-        };
-        let (_, run) = commands::send_message(store, &actor(), new).await.unwrap();
+        let run = queued_run(store).await;
         let claimed = queue::claim(store, "w", 60_000, 1).await.unwrap();
         let lease = Lease::of(&claimed[0]);
         let begun = runs::begin(store, &lease).await.unwrap();

@@ -329,6 +329,34 @@ pub(crate) mod test_support {
         store.migrate().await.unwrap();
         (store, dir)
     }
+
+    /// A conversation of tenant `acme` with one queued run.
+    pub async fn queued_run(store: &Store) -> entities::run::Model {
+        use crate::domain::ActiveRunStrategy;
+        use commands::{Actor, NewConversation, NewMessage};
+        let actor = Actor {
+            tenant: "acme".into(),
+            principal: "ada".into(),
+        };
+        let conversation = commands::create_conversation(
+            store,
+            &actor,
+            NewConversation {
+                agent: "demo".into(),
+                title: None,
+            },
+        )
+        .await
+        .unwrap();
+        let new = NewMessage {
+            conversation_id: conversation.id,
+            text: "hi".into(),
+            client_message_id: None,
+            on_active_run: ActiveRunStrategy::Queue,
+            max_attempts: 3,
+        };
+        commands::send_message(store, &actor, new).await.unwrap().1
+    }
 }
 
 #[cfg(test)]

@@ -90,16 +90,20 @@ pub enum Heartbeat {
     Lost,
 }
 
+/// Renews a lease that has not yet run out. One that has is lost even if
+/// nobody took it yet: the sweep may already have listed it as stale.
 pub async fn heartbeat(store: &Store, lease: &Lease, lease_ms: i64) -> Result<Heartbeat> {
     let _lane = store.write_lane().await;
+    let now = now_millis();
     let rows = run::Entity::update_many()
         .col_expr(
             run::Column::LeaseExpiresAt,
-            sea_orm::sea_query::Expr::value(now_millis() + lease_ms),
+            sea_orm::sea_query::Expr::value(now + lease_ms),
         )
         .filter(run::Column::Id.eq(lease.run_id))
         .filter(run::Column::LeaseEpoch.eq(lease.epoch))
         .filter(run::Column::Status.eq(RunStatus::Running.as_str()))
+        .filter(run::Column::LeaseExpiresAt.gte(now))
         .exec_with_returning(store.db())
         .await?;
     Ok(match rows.first() {
@@ -115,11 +119,41 @@ pub async fn heartbeat(store: &Store, lease: &Lease, lease_ms: i64) -> Result<He
 pub enum Reclaim<'a> {
     /// Leases that ran out.
     Expired,
-    /// Every running run: an embedded SQLite server owns its database alone,
-    /// so at start-up nobody else can hold one.
+    /// Every running run: only for a process that holds the database's
+    /// exclusive lock (embedded SQLite), so that nobody else can hold one.
     All,
-    /// Runs an earlier process with this instance id held.
-    OwnedBy(&'a str),
+    /// Runs an earlier process with this instance id held, whose leases
+    /// nobody renewed since `Reclaim::held_by` listed them.
+    Unrenewed(&'a [Held]),
+}
+
+/// A running run's lease as a start-up listing saw it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Held {
+    pub run_id: uuid::Uuid,
+    pub epoch: i64,
+    pub expires_at: Option<i64>,
+}
+
+/// The leases held under `owner` now. A process restarted with the same
+/// instance id lists them, waits longer than a heartbeat, and reclaims
+/// with `Reclaim::Unrenewed` only those still unchanged: a live process
+/// with the same id (an overlapping deploy) keeps what it renews.
+pub async fn held_by(store: &Store, owner: &str) -> Result<Vec<Held>> {
+    let rows = run::Entity::find()
+        .filter(run::Column::Status.eq(RunStatus::Running.as_str()))
+        .filter(run::Column::LeaseOwner.eq(owner))
+        .order_by_asc(run::Column::Id)
+        .all(store.db())
+        .await?;
+    Ok(rows
+        .into_iter()
+        .map(|r| Held {
+            run_id: r.id,
+            epoch: r.lease_epoch,
+            expires_at: r.lease_expires_at,
+        })
+        .collect())
 }
 
 /// Re-queues running runs whose worker is gone, counting each against the
@@ -134,20 +168,35 @@ pub async fn reclaim(store: &Store, which: Reclaim<'_>, budget: u32) -> Result<u
     query = match which {
         Reclaim::Expired => query.filter(run::Column::LeaseExpiresAt.lt(now)),
         Reclaim::All => query,
-        Reclaim::OwnedBy(owner) => query.filter(run::Column::LeaseOwner.eq(owner)),
+        Reclaim::Unrenewed(held) => {
+            query.filter(run::Column::Id.is_in(held.iter().map(|h| h.run_id)))
+        }
     };
     let stale = query.all(store.db()).await?;
     let mut count = 0;
     for row in stale {
-        if recover(store, row, budget).await? {
+        if recover(store, row, which, budget).await? {
             count += 1;
         }
     }
     Ok(count)
 }
 
-/// Recovers one run if it still holds the lease we saw; false if it moved.
-async fn recover(store: &Store, seen: run::Model, budget: u32) -> Result<bool> {
+/// Whether a run's lease, read under the run's lock, may be taken: the
+/// listing is stale by then, and a lease renewed since must stay.
+fn still_stale(row: &run::Model, which: Reclaim<'_>, now: i64) -> bool {
+    match which {
+        Reclaim::Expired => row.lease_expires_at.is_some_and(|at| at < now),
+        Reclaim::All => true,
+        Reclaim::Unrenewed(held) => held.iter().any(|h| {
+            h.run_id == row.id && h.epoch == row.lease_epoch && h.expires_at == row.lease_expires_at
+        }),
+    }
+}
+
+/// Recovers one run if it still holds the lease we saw and that lease is
+/// still stale; false if it moved or was renewed.
+async fn recover(store: &Store, seen: run::Model, which: Reclaim<'_>, budget: u32) -> Result<bool> {
     let mut tx = store.begin_write().await?;
     let conversation = tx
         .lock_conversation(seen.conversation_id, &seen.tenant)
@@ -162,6 +211,9 @@ async fn recover(store: &Store, seen: run::Model, budget: u32) -> Result<bool> {
         return Ok(false);
     };
     let now = now_millis();
+    if !still_stale(&row, which, now) {
+        return Ok(false);
+    }
     let held_until = row.lease_expires_at.unwrap_or(now).min(now);
     let active_ms = row.active_ms + (held_until - row.claimed_at.unwrap_or(held_until)).max(0);
     let events = if row.recoveries as u32 >= budget {
@@ -197,4 +249,31 @@ async fn recover(store: &Store, seen: run::Model, budget: u32) -> Result<bool> {
     tx.append(&conversation, events).await?;
     store.commit(tx).await?;
     Ok(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::test_support::{queued_run, temp_store};
+
+    #[tokio::test]
+    async fn a_lease_renewed_after_the_sweep_listed_it_is_not_recovered() {
+        let (store, dir) = temp_store().await;
+        let queued = queued_run(&store).await;
+        let claimed = claim(&store, "w", 60_000, 1).await.unwrap().remove(0);
+        // The sweep listed the run while its lease had run out (by its own
+        // clock); the worker renewed it before the sweep took the lock.
+        let mut listed = claimed.clone();
+        listed.lease_expires_at = Some(now_millis() - 1);
+        assert!(!recover(&store, listed, Reclaim::Expired, 3).await.unwrap());
+        let row = run::Entity::find_by_id(queued.id)
+            .one(store.db())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(row.status, "RUNNING");
+        assert_eq!(row.lease_epoch, claimed.lease_epoch);
+        assert_eq!(row.recoveries, 0);
+        std::fs::remove_dir_all(dir).ok();
+    }
 }

@@ -1,10 +1,13 @@
 //! A split deployment: an API process and a worker process on one database.
 //! The worker's events reach the API's subscribers (NOTIFY on PostgreSQL,
-//! the log's head on SQLite), and a cancellation reaches the worker.
+//! the log's head on SQLite), and a cancellation reaches the worker. An
+//! overlapping deploy never takes runs from a live process.
 
 use serde_json::json;
 
-use crate::support::{Server, ServerOptions, WORKER_CONFIG, WsClient};
+use crate::support::{
+    Launch, PATIENCE, Server, ServerOptions, WORKER_CONFIG, WsClient, of_type, on_postgres,
+};
 
 const EVENTS: &str = "subscription($c: ID!, $a: String) { conversationEvents(conversationId: $c, after: $a) { cursor type runId } }";
 
@@ -43,7 +46,7 @@ async fn the_api_streams_what_a_separate_worker_commits() {
     // Live deltas cross processes through NOTIFY on PostgreSQL; everywhere
     // the text arrives with the checkpoints.
     let deltas = seen.iter().filter(|e| e["type"] == "part.delta").count();
-    if std::env::var("TETHER_TEST_DATABASE_URL").is_ok_and(|u| u.starts_with("postgres")) {
+    if on_postgres() {
         assert!(deltas > 0, "no live delta reached the API's subscriber");
     }
     let seen: Vec<_> = seen
@@ -83,4 +86,105 @@ async fn the_api_streams_what_a_separate_worker_commits() {
     let ended = api.wait_until_ended(&token, &held).await;
     assert_eq!(ended["status"], "CANCELLED");
     assert_eq!(ended["endCause"], "CANCELLED");
+}
+
+/// Waits for the run to end, then checks that it completed after exactly
+/// one claim: nobody took it from the process that held it.
+async fn completed_on_one_claim(server: &Server, token: &str, conversation: &str, run: &str) {
+    let ended = server.wait_until_ended(token, run).await;
+    assert_eq!(ended["status"], "COMPLETED", "{ended}");
+    let events = server.all_events(token, conversation).await;
+    let started = of_type(&events, "run.started");
+    assert_eq!(started.len(), 1, "claimed once: {events:?}");
+    assert_eq!(
+        of_type(&events, "run.queued").len(),
+        1,
+        "never re-queued: {events:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_second_worker_on_one_sqlite_file_is_refused_and_the_first_keeps_its_run() {
+    let server = Server::start_workers(WORKER_CONFIG).await;
+    let token = server.token("acme", "ada");
+    let conversation = server.create_conversation(&token).await;
+    let (_, run) = server.send(&token, &conversation, "/hold 6").await;
+    server
+        .wait_for_run(&token, &run, |r| r["status"] == "RUNNING")
+        .await;
+
+    let second = server.launch_beside("worker", false).await;
+    if on_postgres() {
+        // Workers of many processes share PostgreSQL; their claims skip
+        // each other's rows.
+        assert!(
+            matches!(second, Launch::Serving { .. }),
+            "a second worker on PostgreSQL starts"
+        );
+    } else {
+        let Launch::Exited { status, stderr } = second else {
+            panic!("a second worker process on the same SQLite file started");
+        };
+        assert!(!status.success(), "{status}");
+        assert!(
+            stderr.contains("another tether process runs workers on this SQLite database"),
+            "{stderr}"
+        );
+        assert!(stderr.contains("--role api"), "{stderr}");
+    }
+    // An API-only process beside the workers is fine, and serves.
+    let Launch::Serving { child: mut api, .. } = server.launch_beside("api", false).await else {
+        panic!("an API-only process beside the worker did not start");
+    };
+    assert!(
+        api.try_wait().unwrap().is_none(),
+        "the API process keeps running"
+    );
+
+    completed_on_one_claim(&server, &token, &conversation, &run).await;
+}
+
+#[tokio::test]
+async fn an_overlapping_process_with_the_same_instance_id_leaves_live_runs_alone() {
+    let server = Server::start_workers(WORKER_CONFIG).await;
+    let token = server.token("acme", "ada");
+    let conversation = server.create_conversation(&token).await;
+    let (_, run) = server.send(&token, &conversation, "/hold 10").await;
+    server
+        .wait_for_run(&token, &run, |r| r["status"] == "RUNNING")
+        .await;
+
+    // Kept running until the run ends: it has every chance to take it.
+    let _second = match server.launch_beside("all", true).await {
+        Launch::Serving { child, mut log, .. } => {
+            assert!(on_postgres(), "a second worker on one SQLite file started");
+            // It lists the leases held under its id, sees them renewed, and
+            // leaves them to the live process.
+            let noticed = tokio::time::timeout(PATIENCE, async {
+                while let Some(line) = log.recv().await {
+                    if line.contains("renewed or moved on since start-up") {
+                        return true;
+                    }
+                }
+                false
+            })
+            .await;
+            assert_eq!(
+                noticed,
+                Ok(true),
+                "the start-up recovery did not leave the run alone"
+            );
+            Some(child)
+        }
+        Launch::Exited { status, stderr } => {
+            assert!(!on_postgres(), "refused on PostgreSQL ({status}): {stderr}");
+            assert!(!status.success(), "{status}");
+            assert!(
+                stderr.contains("another tether process runs workers"),
+                "{stderr}"
+            );
+            None
+        }
+    };
+    completed_on_one_claim(&server, &token, &conversation, &run).await;
 }

@@ -8,7 +8,7 @@ use crate::downstream::Downstream;
 use crate::fakes::{
     FakeProvider, FakeToolCall, KEY, Reply, Wire, anthropic_sse, anthropic_sse_tool_calls,
 };
-use crate::support::{Server, ServerOptions, of_type};
+use crate::support::{Server, ServerOptions, of_type, on_postgres};
 use crate::tools::{final_text, tool_calls};
 
 fn config(downstream: &Downstream) -> String {
@@ -728,7 +728,13 @@ async fn another_tenant_can_neither_see_nor_resolve_interactions() {
 async fn two_workers_racing_to_resume_a_decided_run_execute_it_once() {
     let downstream = Downstream::start().await;
     let server = Server::start_workers(&config(&downstream)).await;
-    let _second_worker = server.companion("worker").await;
+    // A second worker process shares PostgreSQL; on a SQLite file one
+    // process alone may run workers (it holds the file's worker lock).
+    let _second_worker = if on_postgres() {
+        Some(server.companion("worker").await)
+    } else {
+        None
+    };
     let token = server.token("acme", "ada");
     let mut waiting = Vec::new();
     for i in 0..4 {
@@ -917,5 +923,93 @@ async fn a_waiting_call_whose_tool_a_deployment_removed_gets_one_consistent_resu
     // The model read that very result.
     let reply = final_text(&server, &token, &conversation, &run).await;
     assert!(reply.contains("not configured any more"), "{reply}");
+    assert!(downstream.requests().is_empty());
+}
+
+#[tokio::test]
+async fn an_approval_wait_after_a_removed_tools_call_parks_instead_of_spinning() {
+    let downstream = Downstream::start().await;
+    let fake = FakeProvider::start(Wire::Anthropic).await;
+    let publish = FakeToolCall::new("toolu_1", "publish", json!({ "text": "x" }));
+    fake.script([Reply::sse(
+        anthropic_sse_tool_calls(&["Publishing."], &[publish]),
+        64,
+    )]);
+    let config = |tools: &str, extra: &str| {
+        format!(
+            r#"
+[runtime]
+lease_secs = 3
+heartbeat_secs = 0.5
+poll_ms = 100
+
+[[agents]]
+name = "model"
+provider = "anthropic"
+model = "fake"
+base_url = "{base}"
+api_key_env = "TETHER_TEST_PROVIDER_KEY"
+tools = [{tools}]
+{extra}"#,
+            base = fake.base_url
+        )
+    };
+    let publish_tool = format!(
+        r#"
+[[tools]]
+name = "publish"
+description = "Publish a post"
+input_schema = {{ type = "object", properties = {{ text = {{ type = "string" }} }}, required = ["text"] }}
+risk = "publish"
+summary = "Publish a post"
+http = {{ url = "{}/effect" }}
+"#,
+        downstream.base
+    );
+    let mut server = Server::start_with(ServerOptions {
+        config: config("\"publish\", \"demo_publish\"", &publish_tool),
+        env: vec![("TETHER_TEST_PROVIDER_KEY".into(), KEY.into())],
+        role: "all",
+    })
+    .await;
+    let token = server.token("acme", "ada");
+    let conversation = server.create_conversation(&token).await;
+    let (run, first) = gated(&server, &token, &conversation, "Publish it.").await;
+    server.kill().await;
+    // The next deployment has no `publish` tool; in the next step the model
+    // asks for another gated call.
+    server.set_config(config("\"demo_publish\"", ""));
+    server.restart(&[]).await;
+    let again = FakeToolCall::new("toolu_2", "demo_publish", json!({ "text": "y" }));
+    fake.script([
+        Reply::sse(anthropic_sse_tool_calls(&["Another way."], &[again]), 64),
+        Reply::sse(anthropic_sse(&["Done."], 10, 5), 64),
+    ]);
+    let decided = decide(&server, &token, &first, "ALLOW_ONCE").await;
+    assert_eq!(
+        decided["data"]["decideApproval"]["resumed"], true,
+        "{decided}"
+    );
+
+    // The first call's decision was never taken (its tool is gone), yet the
+    // second wait parks the run; it must not loop while holding the worker.
+    status_becomes(&server, &token, &run, "WAITING_FOR_APPROVAL").await;
+    let pending = pending_approvals(&server, &token, &run).await;
+    assert_eq!(pending.len(), 1, "{pending:?}");
+    assert_eq!(pending[0]["toolName"], "demo_publish");
+    let second = pending[0]["interactionId"].as_str().unwrap().to_owned();
+    let decided = decide(&server, &token, &second, "ALLOW_ONCE").await;
+    assert_eq!(
+        decided["data"]["decideApproval"]["resumed"], true,
+        "{decided}"
+    );
+    let ended = server.wait_until_ended(&token, &run).await;
+    assert_eq!(ended["status"], "COMPLETED", "{ended}");
+    let calls = tool_calls(&server, &token, &run).await;
+    let outcomes: Vec<&str> = calls
+        .iter()
+        .map(|c| c["outcome"].as_str().unwrap())
+        .collect();
+    assert_eq!(outcomes, ["NOT_STARTED", "SUCCEEDED"], "{calls:?}");
     assert!(downstream.requests().is_empty());
 }

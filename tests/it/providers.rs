@@ -27,7 +27,7 @@ async fn server_for(fake: &FakeProvider, provider: &str) -> Server {
 
 /// A server whose one agent `model` talks to the fake, with `extra` TOML
 /// appended to the agent (its `[agents.*]` tables).
-async fn server_with(fake: &FakeProvider, provider: &str, extra: &str) -> Server {
+pub async fn server_with(fake: &FakeProvider, provider: &str, extra: &str) -> Server {
     let config = format!(
         r#"
 [runtime]
@@ -70,7 +70,7 @@ fn stream(sse: String, chunk_bytes: usize) -> Reply {
     }
 }
 
-fn error(status: u16, kind: &'static str, headers: Vec<(&'static str, &'static str)>) -> Reply {
+pub fn error(status: u16, kind: &'static str, headers: Vec<(&'static str, &'static str)>) -> Reply {
     Reply::Error {
         status,
         kind,

@@ -1,5 +1,8 @@
-//! The retry policy end to end, with the scripted model's `/fail STATUS`.
+//! The retry policy end to end, with the scripted model's `/fail STATUS`,
+//! and a provider's `retry-after` against the run's time limit.
 
+use crate::fakes::{FakeProvider, Wire};
+use crate::providers::{error, server_with};
 use crate::support::{Server, WORKER_CONFIG, events_with_retries as events, of_type};
 
 #[tokio::test]
@@ -123,4 +126,33 @@ async fn a_crash_during_the_wait_does_not_lose_the_retry() {
     let starts = of_type(&events, "run.started");
     assert_eq!(starts.len(), 2);
     assert!(starts[1]["at"].as_str().unwrap() >= retry["nextAttemptAt"].as_str().unwrap());
+}
+
+#[tokio::test]
+async fn a_retry_due_after_the_runs_deadline_ends_it_timeout_at_once() {
+    let fake = FakeProvider::start(Wire::Anthropic).await;
+    fake.script([error(
+        429,
+        "rate_limit_error",
+        vec![("retry-after", "3600")],
+    )]);
+    let server = server_with(&fake, "anthropic", "[agents.limits]\ntimeout_secs = 60\n").await;
+    let token = server.token("acme", "ada");
+    let conversation = server.create_conversation(&token).await;
+    let (_, run) = server.send(&token, &conversation, "Hello").await;
+    let ended = server.wait_until_ended(&token, &run).await;
+    assert_eq!(ended["status"], "FAILED", "{ended}");
+    assert_eq!(ended["endCause"], "TIMEOUT", "{ended}");
+    assert_eq!(ended["error"]["code"], "TIMEOUT", "{ended}");
+    let message = ended["error"]["message"].as_str().unwrap();
+    assert!(message.contains("past the run's time limit"), "{message}");
+    let events = events(&server, &token, &conversation).await;
+    assert!(
+        of_type(&events, "run.retry-pending").is_empty(),
+        "never parked for the hour: {events:?}"
+    );
+    // The conversation does not wait behind it.
+    let (_, next) = server.send(&token, &conversation, "Again").await;
+    let ended = server.wait_until_ended(&token, &next).await;
+    assert_eq!(ended["status"], "COMPLETED", "{ended}");
 }

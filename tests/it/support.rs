@@ -86,6 +86,11 @@ pub fn http_client() -> reqwest::Client {
     reqwest::Client::new()
 }
 
+/// Whether the tests run on PostgreSQL (else on SQLite files).
+pub fn on_postgres() -> bool {
+    std::env::var("TETHER_TEST_DATABASE_URL").is_ok_and(|u| u.starts_with("postgres"))
+}
+
 /// A database of its own for one test, removed afterwards.
 pub struct TestDb {
     pub url: String,
@@ -183,12 +188,41 @@ async fn spawn(
     instance: &str,
     extra_env: &[(&str, &str)],
 ) -> (Child, String) {
+    match launch(db, options, instance, extra_env).await {
+        Launch::Serving { child, base, .. } => (child, base),
+        Launch::Exited { status, stderr } => {
+            panic!("tether exited ({status}) before printing its address: {stderr}")
+        }
+    }
+}
+
+/// How a launched process went: serving, or ended before it printed its
+/// address.
+pub enum Launch {
+    Serving {
+        child: Child,
+        base: String,
+        /// Its log lines (stderr), as they come; they are echoed too.
+        log: tokio::sync::mpsc::UnboundedReceiver<String>,
+    },
+    Exited {
+        status: std::process::ExitStatus,
+        stderr: String,
+    },
+}
+
+async fn launch(
+    db: &TestDb,
+    options: &ServerOptions,
+    instance: &str,
+    extra_env: &[(&str, &str)],
+) -> Launch {
     let mut command = tether_command(db, &options.config, &db.dir);
     command
         .args(["serve", "--role", options.role])
         .env("TETHER_INSTANCE_ID", instance)
         .stdout(Stdio::piped())
-        .stderr(Stdio::inherit());
+        .stderr(Stdio::piped());
     for (key, value) in &options.env {
         command.env(key, value);
     }
@@ -196,20 +230,41 @@ async fn spawn(
         command.env(key, value);
     }
     let mut child = command.spawn().expect("the tether binary starts");
+    let (log_tx, mut log) = tokio::sync::mpsc::unbounded_channel();
+    let mut stderr = BufReader::new(child.stderr.take().unwrap()).lines();
+    tokio::spawn(async move {
+        while let Ok(Some(line)) = stderr.next_line().await {
+            eprintln!("{line}");
+            let _ = log_tx.send(line);
+        }
+    });
     let stdout = child.stdout.take().unwrap();
     let mut lines = BufReader::new(stdout).lines();
     let line = tokio::time::timeout(Duration::from_secs(60), lines.next_line())
         .await
-        .expect("tether prints its address within a minute")
-        .unwrap()
-        .expect("tether printed its address before exiting");
+        .expect("tether prints its address or exits within a minute")
+        .unwrap();
+    let Some(line) = line else {
+        let status = tokio::time::timeout(Duration::from_secs(60), child.wait())
+            .await
+            .expect("a process that closed its stdout ends")
+            .unwrap();
+        let mut stderr = Vec::new();
+        while let Some(line) = log.recv().await {
+            stderr.push(line);
+        }
+        return Launch::Exited {
+            status,
+            stderr: stderr.join("\n"),
+        };
+    };
     let base = line
         .strip_prefix("tether listening on ")
         .unwrap_or_else(|| panic!("unexpected first line: {line}"))
         .to_owned();
     // Keep reading stdout so the child never blocks on a full pipe.
     tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-    (child, base)
+    Launch::Serving { child, base, log }
 }
 
 pub struct ServerOptions {
@@ -283,13 +338,29 @@ impl Server {
     /// Another process on the same database (a split deployment), with this
     /// server's configuration and the given role. It stops when dropped.
     pub async fn companion(&self, role: &'static str) -> Child {
+        match self.launch_beside(role, false).await {
+            Launch::Serving { child, .. } => child,
+            Launch::Exited { status, stderr } => {
+                panic!("the {role} companion exited ({status}): {stderr}")
+            }
+        }
+    }
+
+    /// Launches another process on the same database with this server's
+    /// configuration, the given role, and this server's instance id or a
+    /// fresh one; it may refuse to start.
+    pub async fn launch_beside(&self, role: &'static str, same_instance: bool) -> Launch {
         let options = ServerOptions {
             config: self.options.config.clone(),
             env: self.options.env.clone(),
             role,
         };
-        let instance = format!("it-{}", Uuid::now_v7().simple());
-        spawn(&self.db, &options, &instance, &[]).await.0
+        let instance = if same_instance {
+            self.instance.clone()
+        } else {
+            format!("it-{}", Uuid::now_v7().simple())
+        };
+        launch(&self.db, &options, &instance, &[]).await
     }
 
     /// The server process's open file descriptors.

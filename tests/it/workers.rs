@@ -186,14 +186,7 @@ async fn a_worker_whose_lease_was_taken_over_commits_nothing() {
         .unwrap();
 
     // Worker A stalls; its lease runs out and the reaper re-queues the run.
-    let mut expired: run::ActiveModel = run::Entity::find_by_id(first.id)
-        .one(store.db())
-        .await
-        .unwrap()
-        .unwrap()
-        .into();
-    expired.lease_expires_at = Set(Some(0));
-    expired.update(store.db()).await.unwrap();
+    expire_lease(&store, first.id, 0).await;
     assert_eq!(
         queue::reclaim(&store, Reclaim::Expired, 3).await.unwrap(),
         1
@@ -291,4 +284,97 @@ async fn a_run_that_keeps_losing_its_worker_ends_with_recovery_limit() {
             .unwrap()
             .is_empty()
     );
+}
+
+/// Sets the run's lease to have run out at `at` (milliseconds), as if its
+/// worker stopped renewing it.
+async fn expire_lease(store: &Store, run_id: Uuid, at: i64) {
+    let mut expired: run::ActiveModel = run::Entity::find_by_id(run_id)
+        .one(store.db())
+        .await
+        .unwrap()
+        .unwrap()
+        .into();
+    expired.lease_expires_at = Set(Some(at));
+    expired.update(store.db()).await.unwrap();
+}
+
+#[tokio::test]
+async fn a_heartbeat_does_not_renew_a_lease_that_already_ran_out() {
+    let db = TestDb::new().await;
+    let store = store(&db).await;
+    let conversation_id = conversation(&store).await;
+    let queued = send(&store, conversation_id, "hello").await;
+    let claimed = queue::claim(&store, "slow", 60_000, 1)
+        .await
+        .unwrap()
+        .remove(0);
+    // The worker stalled past its lease; nobody has taken the run yet, but
+    // a sweep may have listed it as stale already.
+    expire_lease(&store, claimed.id, 1).await;
+    assert_eq!(
+        queue::heartbeat(&store, &Lease::of(&claimed), 60_000)
+            .await
+            .unwrap(),
+        queue::Heartbeat::Lost
+    );
+    let row = reads::run(store.db(), "acme", queued.id)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(row.lease_expires_at, Some(1), "not renewed");
+    assert_eq!(
+        queue::reclaim(&store, Reclaim::Expired, 3).await.unwrap(),
+        1
+    );
+}
+
+#[tokio::test]
+async fn a_restart_reclaims_only_the_leases_nobody_renewed_since_it_listed_them() {
+    let db = TestDb::new().await;
+    let store = store(&db).await;
+    let conversation_id = conversation(&store).await;
+    let queued = send(&store, conversation_id, "hello").await;
+    let claimed = queue::claim(&store, "instance-1", 60_000, 1)
+        .await
+        .unwrap()
+        .remove(0);
+    // A process with the same instance id starts while the first still
+    // runs: it lists the leases under its id, and the first renews them.
+    let held = queue::held_by(&store, "instance-1").await.unwrap();
+    assert_eq!(held.len(), 1);
+    assert!(matches!(
+        queue::heartbeat(&store, &Lease::of(&claimed), 61_000)
+            .await
+            .unwrap(),
+        queue::Heartbeat::Renewed { .. }
+    ));
+    assert_eq!(
+        queue::reclaim(&store, Reclaim::Unrenewed(&held), 3)
+            .await
+            .unwrap(),
+        0
+    );
+    let row = reads::run(store.db(), "acme", queued.id)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(row.status, "RUNNING");
+    assert_eq!(row.lease_epoch, claimed.lease_epoch);
+
+    // The first process is gone: nothing renews the lease between the
+    // listing and the reclaim, which takes it at once.
+    let held = queue::held_by(&store, "instance-1").await.unwrap();
+    assert_eq!(
+        queue::reclaim(&store, Reclaim::Unrenewed(&held), 3)
+            .await
+            .unwrap(),
+        1
+    );
+    let row = reads::run(store.db(), "acme", queued.id)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(row.status, "QUEUED");
+    assert_eq!(row.recoveries, 1);
 }
