@@ -4,6 +4,7 @@
 
 use std::path::PathBuf;
 use std::process::Stdio;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures_util::{SinkExt, StreamExt};
@@ -12,6 +13,7 @@ use tether::api::auth::Authenticator;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::net::TcpStream;
 use tokio::process::{Child, Command};
+use tokio::sync::watch;
 use tokio_tungstenite::tungstenite::Message as WsFrame;
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::http::HeaderValue;
@@ -175,6 +177,39 @@ pub struct Server {
     db: TestDb,
     options: ServerOptions,
     instance: String,
+    logs: Logs,
+}
+
+/// What the server's processes wrote to stderr (passed on to the test's
+/// own stderr as well), and whether the latest one has closed it.
+#[derive(Clone)]
+struct Logs {
+    text: Arc<Mutex<String>>,
+    open: watch::Sender<bool>,
+}
+
+impl Logs {
+    fn new() -> Logs {
+        Logs {
+            text: Arc::default(),
+            open: watch::Sender::new(false),
+        }
+    }
+
+    fn follow(&self, stderr: tokio::process::ChildStderr) {
+        let logs = self.clone();
+        logs.open.send_replace(true);
+        tokio::spawn(async move {
+            let mut lines = BufReader::new(stderr).lines();
+            while let Ok(Some(line)) = lines.next_line().await {
+                eprintln!("{line}");
+                let mut text = logs.text.lock().unwrap();
+                text.push_str(&line);
+                text.push('\n');
+            }
+            logs.open.send_replace(false);
+        });
+    }
 }
 
 async fn spawn(
@@ -182,13 +217,14 @@ async fn spawn(
     options: &ServerOptions,
     instance: &str,
     extra_env: &[(&str, &str)],
+    logs: &Logs,
 ) -> (Child, String) {
     let mut command = tether_command(db, &options.config, &db.dir);
     command
         .args(["serve", "--role", options.role])
         .env("TETHER_INSTANCE_ID", instance)
         .stdout(Stdio::piped())
-        .stderr(Stdio::inherit());
+        .stderr(Stdio::piped());
     for (key, value) in &options.env {
         command.env(key, value);
     }
@@ -196,6 +232,7 @@ async fn spawn(
         command.env(key, value);
     }
     let mut child = command.spawn().expect("the tether binary starts");
+    logs.follow(child.stderr.take().unwrap());
     let stdout = child.stdout.take().unwrap();
     let mut lines = BufReader::new(stdout).lines();
     let line = tokio::time::timeout(Duration::from_secs(60), lines.next_line())
@@ -256,7 +293,8 @@ impl Server {
     pub async fn start_with(options: ServerOptions) -> Server {
         let db = TestDb::new().await;
         let instance = format!("it-{}", Uuid::now_v7().simple());
-        let (child, base) = spawn(&db, &options, &instance, &[]).await;
+        let logs = Logs::new();
+        let (child, base) = spawn(&db, &options, &instance, &[], &logs).await;
         let addr = base.trim_start_matches("http://").to_owned();
         Server {
             base,
@@ -267,6 +305,7 @@ impl Server {
             db,
             options,
             instance,
+            logs,
         }
     }
 
@@ -289,7 +328,9 @@ impl Server {
             role,
         };
         let instance = format!("it-{}", Uuid::now_v7().simple());
-        spawn(&self.db, &options, &instance, &[]).await.0
+        spawn(&self.db, &options, &instance, &[], &Logs::new())
+            .await
+            .0
     }
 
     /// Kills the process with SIGKILL and waits for it to be gone.
@@ -319,10 +360,30 @@ impl Server {
     /// `extra_env` on top of the options' environment. The old process must
     /// be gone.
     pub async fn restart(&mut self, extra_env: &[(&str, &str)]) {
-        let (child, base) = spawn(&self.db, &self.options, &self.instance, extra_env).await;
+        let (child, base) = spawn(
+            &self.db,
+            &self.options,
+            &self.instance,
+            extra_env,
+            &self.logs,
+        )
+        .await;
         self.addr = base.trim_start_matches("http://").to_owned();
         self.base = base;
         self.child = child;
+    }
+
+    /// Stops the process with SIGTERM and returns everything its processes
+    /// wrote to stderr, once the last of it has been read.
+    pub async fn logs_after_exit(&mut self) -> String {
+        self.terminate();
+        self.exited().await;
+        let mut open = self.logs.open.subscribe();
+        tokio::time::timeout(PATIENCE, open.wait_for(|open| !open))
+            .await
+            .expect("the server's stderr closes once it has exited")
+            .unwrap();
+        self.logs.text.lock().unwrap().clone()
     }
 
     /// The configuration the next `restart` uses (a deployment that changes
