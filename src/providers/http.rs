@@ -297,6 +297,37 @@ mod tests {
         held.abort();
     }
 
+    #[tokio::test]
+    async fn a_refused_connection_reads_as_its_kind() {
+        install_tls();
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let url = format!("http://127.0.0.1:{port}/hook/s3cr3t?token=t0k3n");
+        let err = client().unwrap().get(url).send().await.unwrap_err();
+        assert!(
+            err.to_string().contains("s3cr3t"),
+            "reqwest's own text has the URL"
+        );
+        assert_eq!(failure(err), "connection refused");
+    }
+
+    #[test]
+    fn an_endpoint_shows_neither_its_key_nor_its_path() {
+        let endpoint = Endpoint {
+            base_url: "https://proxy.example.com/k/s3cr3t?key=t0k3n".into(),
+            api_key: Some("sk-ant-secret".into()),
+            idle_timeout: Duration::from_secs(1),
+        };
+        let shown = format!("{endpoint:?}");
+        for secret in ["s3cr3t", "t0k3n", "sk-ant-secret"] {
+            assert!(!shown.contains(secret), "{shown}");
+        }
+        assert!(shown.contains("https://proxy.example.com"), "{shown}");
+    }
+
     #[test]
     fn retry_after_reads_milliseconds_seconds_and_dates() {
         let mut headers = HeaderMap::new();
