@@ -249,7 +249,8 @@ pub fn events(
                 Ok(Some(Err(err))) => {
                     yield Err(match err {
                         EventStreamError::Transport(err) => network(err),
-                        other => ProviderError::Network(other.to_string()),
+                        // A parse error quotes the stream: capped.
+                        other => ProviderError::Network(redact::message(&other.to_string())),
                     });
                     return;
                 }
