@@ -3,11 +3,14 @@
 //! key it is about.
 
 use std::collections::HashSet;
+use std::fmt;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 use base64::Engine;
 use serde::Deserialize;
+
+use crate::redact::{Hidden, Origin};
 
 pub const DEFAULT_DATABASE_URL: &str = "sqlite://tether.db?mode=rwc";
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
@@ -37,7 +40,7 @@ fn invalid(key: impl Into<String>, message: impl Into<String>) -> ConfigError {
 }
 
 /// Everything the server needs to start, validated.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Config {
     pub database_url: String,
     pub listen: SocketAddr,
@@ -209,7 +212,7 @@ pub enum ProviderKind {
     Scripted,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct AgentConfig {
     pub name: String,
@@ -363,7 +366,7 @@ pub struct ToolConfig {
     pub connection: Option<ToolConnection>,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct HttpTarget {
     #[serde(default = "default_method")]
@@ -371,6 +374,14 @@ pub struct HttpTarget {
     pub url: String,
     #[serde(default = "default_tool_timeout")]
     pub timeout_secs: u64,
+    /// The most of an answer's body that is read; the output of a longer
+    /// one is its first bytes, marked truncated.
+    #[serde(default = "default_max_response_bytes")]
+    pub max_response_bytes: usize,
+}
+
+fn default_max_response_bytes() -> usize {
+    1024 * 1024
 }
 
 fn default_method() -> String {
@@ -396,7 +407,7 @@ pub enum ConnectionMode {
     Token,
 }
 
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ConnectionConfig {
     pub provider: String,
@@ -419,6 +430,64 @@ pub struct ConnectionConfig {
 
 fn default_consent_ttl() -> u64 {
     900
+}
+
+// What holds a secret (a key, a client secret, a token, a URL that may carry
+// one) shows whether it is there, never what it is: configuration ends up
+// in logs and panic messages. Fields left out are not shown at all.
+
+impl fmt::Debug for Config {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Config")
+            .field("database_url", &Origin(&self.database_url))
+            .field("listen", &self.listen)
+            .field("jwt_secret", &Hidden(&self.jwt_secret))
+            .field("encryption_key", &Hidden(&self.encryption_key))
+            .field("file", &self.file)
+            .finish()
+    }
+}
+
+impl fmt::Debug for AgentConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AgentConfig")
+            .field("name", &self.name)
+            .field("provider", &self.provider)
+            .field("model", &self.model)
+            .field("base_url", &self.base_url.as_deref().map(Origin))
+            .field("api_key_env", &self.api_key_env)
+            .field("api_key", &Hidden(&self.api_key))
+            .field("tools", &self.tools)
+            .field("max_tokens", &self.max_tokens)
+            .field("limits", &self.limits)
+            .field("retry", &self.retry)
+            .finish_non_exhaustive()
+    }
+}
+
+impl fmt::Debug for HttpTarget {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HttpTarget")
+            .field("method", &self.method)
+            .field("url", &Origin(&self.url))
+            .field("timeout_secs", &self.timeout_secs)
+            .field("max_response_bytes", &self.max_response_bytes)
+            .finish()
+    }
+}
+
+impl fmt::Debug for ConnectionConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ConnectionConfig")
+            .field("provider", &self.provider)
+            .field("mode", &self.mode)
+            .field("client_id", &self.client_id)
+            .field("client_secret_env", &self.client_secret_env)
+            .field("client_secret", &Hidden(&self.client_secret))
+            .field("token_env", &self.token_env)
+            .field("token", &Hidden(&self.token))
+            .finish_non_exhaustive()
+    }
 }
 
 impl FileConfig {
@@ -567,6 +636,11 @@ impl FileConfig {
                     ));
                 }
                 at_least(&format!("{key}.http.timeout_secs"), http.timeout_secs, 1)?;
+                at_least(
+                    &format!("{key}.http.max_response_bytes"),
+                    http.max_response_bytes,
+                    1,
+                )?;
             }
             if let Some(conn) = &tool.connection
                 && !self.connections.iter().any(|c| c.provider == conn.provider)
@@ -1019,5 +1093,66 @@ mod tests {
             &[("TETHER_LISTEN", "0.0.0.0:8080")],
         ));
         assert!(err.contains("TETHER_JWT_SECRET"), "{err}");
+    }
+
+    #[test]
+    fn debug_output_shows_no_secret() {
+        let toml = r#"
+[[agents]]
+name = "a"
+provider = "anthropic"
+model = "m"
+base_url = "http://127.0.0.1:9/v1?key=base-url-secret"
+api_key_env = "MY_KEY"
+
+[[tools]]
+name = "hook"
+description = "A webhook"
+input_schema = { type = "object" }
+http = { url = "https://hooks.example.com/T0/path-secret?token=query-secret" }
+
+[[connections]]
+provider = "acme"
+mode = "token"
+token_env = "ACME"
+"#;
+        let key = base64::engine::general_purpose::STANDARD.encode([7u8; 32]);
+        let jwt = "jwt-secret-jwt-secret-jwt-secret-0123";
+        let config = load_with(
+            toml,
+            &[
+                ("MY_KEY", "sk-ant-api-key-secret"),
+                ("ACME", "connection-token-secret"),
+                ("TETHER_ENCRYPTION_KEY", &key),
+                ("TETHER_JWT_SECRET", jwt),
+                (
+                    "TETHER_DATABASE_URL",
+                    "postgres://tether:db-password-secret@db.internal:5432/tether",
+                ),
+            ],
+        )
+        .unwrap();
+        assert_eq!(
+            config.file.agents[0].api_key.as_deref(),
+            Some("sk-ant-api-key-secret")
+        );
+        let shown = format!("{config:?} {config:#?}");
+        for secret in [
+            "sk-ant-api-key-secret",
+            "base-url-secret",
+            "path-secret",
+            "query-secret",
+            "connection-token-secret",
+            jwt,
+            "db-password-secret",
+            &key,
+            "[7, 7, 7",
+        ] {
+            assert!(!shown.contains(secret), "{secret} in {shown}");
+        }
+        // What it is about still shows.
+        assert!(shown.contains("https://hooks.example.com"), "{shown}");
+        assert!(shown.contains("MY_KEY"), "{shown}");
+        assert!(shown.contains("Some([redacted])"), "{shown}");
     }
 }

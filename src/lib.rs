@@ -9,6 +9,7 @@ pub mod bus;
 pub mod config;
 pub mod domain;
 pub mod providers;
+pub mod redact;
 pub mod runtime;
 pub mod server;
 pub mod store;

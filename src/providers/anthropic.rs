@@ -310,7 +310,7 @@ impl Parser {
             "error" => {
                 let (code, message) =
                     describe(&data).unwrap_or_else(|| ("api_error".into(), raw.to_owned()));
-                out.push(Err(ProviderError::Stream { code, message }));
+                out.push(Err(ProviderError::reported(&code, &message)));
             }
             _ => {}
         }

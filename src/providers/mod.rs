@@ -14,6 +14,7 @@ use serde_json::Value;
 use crate::config::{AgentConfig, ProviderKind};
 use crate::domain::MessageRole;
 use crate::domain::retry::retryable_status;
+use crate::redact;
 
 /// One block of a turn, in the order the model produced or receives it.
 #[derive(Debug, Clone, PartialEq)]
@@ -159,6 +160,15 @@ pub enum ProviderError {
 }
 
 impl ProviderError {
+    /// An error event in the provider's own words, as it may be shown and
+    /// stored: anything key-like masked, capped.
+    pub fn reported(code: &str, message: &str) -> ProviderError {
+        ProviderError::Stream {
+            code: redact::message(code),
+            message: redact::message(message),
+        }
+    }
+
     /// Worth another attempt: transient statuses, network trouble, and
     /// errors reported inside a stream.
     pub fn is_transient(&self) -> bool {

@@ -253,7 +253,7 @@ impl Parser {
             return Vec::new();
         };
         if let Some((code, message)) = describe(&chunk) {
-            return vec![Err(ProviderError::Stream { code, message })];
+            return vec![Err(ProviderError::reported(&code, &message))];
         }
         let mut out = Vec::new();
         if let Some(usage) = chunk.get("usage").filter(|u| u.is_object()) {

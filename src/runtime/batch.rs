@@ -306,7 +306,7 @@ impl Runner<'_> {
             .whole(move |s, l| async move { tool_calls::start(&s, &l, id, replay).await })
             .await?;
         failpoints::hit("after_tool_executing");
-        let effect = invoke(Invocation {
+        let outcome = invoke(Invocation {
             tool,
             input,
             run_id: self.run.id,
@@ -318,16 +318,17 @@ impl Runner<'_> {
         .await;
         failpoints::hit("after_tool_response");
         let max = self.max_inline_bytes;
-        match effect {
+        let cut = outcome.cut;
+        match outcome.effect {
             Effect::Succeeded(output) => {
                 self.whole(move |s, l| async move {
-                    tool_calls::complete(&s, &l, id, true, &output, max).await
+                    tool_calls::complete(&s, &l, id, true, &output, max, cut).await
                 })
                 .await?;
             }
             Effect::Failed(output) => {
                 self.whole(move |s, l| async move {
-                    tool_calls::complete(&s, &l, id, false, &output, max).await
+                    tool_calls::complete(&s, &l, id, false, &output, max, cut).await
                 })
                 .await?;
             }

@@ -278,7 +278,8 @@ fn set_output(active: &mut tool_call::ActiveModel, inline: InlineOutput) {
     active.output_truncated = Set(inline.truncated);
 }
 
-/// Records what the tool answered.
+/// Records what the tool answered; `cut` when the tool said more than was
+/// read, which marks the output truncated whatever its size.
 pub async fn complete(
     store: &Store,
     lease: &Lease,
@@ -286,8 +287,10 @@ pub async fn complete(
     succeeded: bool,
     output: &Value,
     max_inline_bytes: usize,
+    cut: bool,
 ) -> Result<tool_call::Model> {
-    let inline = inline_output(output, max_inline_bytes);
+    let mut inline = inline_output(output, max_inline_bytes);
+    inline.truncated |= cut;
     change(
         store,
         lease,

@@ -28,7 +28,21 @@ pub struct Invocation<'a> {
     pub cleared: bool,
 }
 
-/// How the effect came out.
+/// How the effect came out, and whether its output is cut short.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Outcome {
+    pub effect: Effect,
+    /// The tool answered more than `http.max_response_bytes`: the output
+    /// holds the first bytes only, and the rest was never read.
+    pub cut: bool,
+}
+
+impl From<Effect> for Outcome {
+    fn from(effect: Effect) -> Outcome {
+        Outcome { effect, cut: false }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq)]
 pub enum Effect {
     Succeeded(Value),
@@ -39,7 +53,7 @@ pub enum Effect {
     Unknown(Value),
 }
 
-pub async fn invoke(call: Invocation<'_>) -> Effect {
+pub async fn invoke(call: Invocation<'_>) -> Outcome {
     let tool = call.tool;
     // Fail closed: whatever path led here, a gated tool runs only with an
     // approval or a grant behind it.
@@ -51,14 +65,16 @@ pub async fn invoke(call: Invocation<'_>) -> Effect {
                 "{} needs a person's approval (risk category {risk:?}); it did not run",
                 tool.name
             )
-        }));
+        }))
+        .into();
     }
     match &tool.runner {
         // Questions are asked by the batch itself, never executed.
         Runner::AskQuestions => Effect::Failed(json!({
             "error": "ask_questions is not an effect; it did not run"
-        })),
-        Runner::DemoPublish => Effect::Succeeded(json!({ "published": call.input })),
+        }))
+        .into(),
+        Runner::DemoPublish => Effect::Succeeded(json!({ "published": call.input })).into(),
         Runner::Http(target) => http_call(target, &call).await,
     }
 }
@@ -69,12 +85,14 @@ struct Transient {
     retry_after: Option<Duration>,
     /// Whether the request may have reached the tool.
     sent: bool,
+    /// The error holds the first bytes of a longer answer.
+    cut: bool,
 }
 
-async fn http_call(target: &HttpTarget, call: &Invocation<'_>) -> Effect {
+async fn http_call(target: &HttpTarget, call: &Invocation<'_>) -> Outcome {
     let client = match http::client() {
         Ok(client) => client,
-        Err(err) => return Effect::Failed(json!({ "error": err.to_string() })),
+        Err(err) => return Effect::Failed(json!({ "error": err.to_string() })).into(),
     };
     let method =
         Method::from_bytes(target.method.to_ascii_uppercase().as_bytes()).unwrap_or(Method::POST);
@@ -87,26 +105,25 @@ async fn http_call(target: &HttpTarget, call: &Invocation<'_>) -> Effect {
             .header("X-Tether-Run-Id", call.run_id.to_string())
             .header("X-Tether-Tool-Call-Id", call.tool_call_id.to_string())
             .json(call.input);
-        let transient = match attempt(request).await {
-            Ok(effect) => return effect,
+        let transient = match attempt(request, target.max_response_bytes).await {
+            Ok(outcome) => return outcome,
             Err(transient) => transient,
         };
         failed_attempts += 1;
-        match call.tool.recovery {
-            Recovery::NeverReplay if transient.sent => {
-                return Effect::Unknown(json!({
-                    "error": transient.error,
-                    "outcome": "UNKNOWN",
-                    "note": "the request may have reached the tool, which must not be called \
-                             twice: it may or may not have taken effect; check before repeating it",
-                }));
-            }
-            Recovery::NeverReplay => return Effect::Failed(json!({ "error": transient.error })),
+        let cut = transient.cut;
+        let effect = match call.tool.recovery {
+            Recovery::NeverReplay if transient.sent => Effect::Unknown(json!({
+                "error": transient.error,
+                "outcome": "UNKNOWN",
+                "note": "the request may have reached the tool, which must not be called \
+                         twice: it may or may not have taken effect; check before repeating it",
+            })),
+            Recovery::NeverReplay => Effect::Failed(json!({ "error": transient.error })),
             Recovery::Idempotent if !call.retry.allows_another(failed_attempts) => {
-                return Effect::Failed(json!({
+                Effect::Failed(json!({
                     "error": transient.error,
                     "attempts": failed_attempts,
-                }));
+                }))
             }
             Recovery::Idempotent => {
                 let delay =
@@ -119,31 +136,61 @@ async fn http_call(target: &HttpTarget, call: &Invocation<'_>) -> Effect {
                     "tool call failed transiently; retrying with the same key"
                 );
                 tokio::time::sleep(delay).await;
+                continue;
             }
-        }
+        };
+        return Outcome { effect, cut };
     }
 }
 
 /// One request: a 2xx JSON body is the output (any other body is kept as
-/// text), 4xx a failed call, 5xx/408/429 and network trouble transient
-/// (409 is a tool's answer, unlike a model provider's).
-async fn attempt(request: reqwest::RequestBuilder) -> Result<Effect, Transient> {
+/// text), 3xx and 4xx a failed call, 5xx/408/429 and network trouble
+/// transient (409 is a tool's answer, unlike a model provider's). The body
+/// is read up to `max_bytes`. What reaches the model and clients names the
+/// kind of failure, never reqwest's text (it carries the URL, and webhook
+/// URLs carry tokens).
+async fn attempt(request: reqwest::RequestBuilder, max_bytes: usize) -> Result<Outcome, Transient> {
     let response = request.send().await.map_err(|e| Transient {
-        error: json!(format!("network error: {e}")),
-        retry_after: None,
         sent: !e.is_connect(),
+        error: json!(format!("network error: {}", http::failure(e))),
+        retry_after: None,
+        cut: false,
     })?;
     let status = response.status();
     let retry_after = http::retry_after(response.headers());
-    let body = response.bytes().await.map_err(|e| Transient {
-        error: json!(format!("network error while reading the answer: {e}")),
-        retry_after: None,
-        sent: true,
-    })?;
-    let body: Value = serde_json::from_slice(&body)
-        .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&body).into_owned()));
+    if status.is_redirection() {
+        // The location is not passed on: it may carry a token too.
+        return Ok(Effect::Failed(json!({
+            "status": status.as_u16(),
+            "error": "the tool answered with a redirect, and redirects are not followed",
+        }))
+        .into());
+    }
+    let (body, cut) = http::read_capped(response, max_bytes)
+        .await
+        .map_err(|e| Transient {
+            error: json!(format!(
+                "network error while reading the answer: {}",
+                http::failure(e)
+            )),
+            retry_after: None,
+            sent: true,
+            cut: false,
+        })?;
+    let body = if cut {
+        Value::String(format!(
+            "{}…\n[response truncated: only its first {max_bytes} bytes were read]",
+            String::from_utf8_lossy(&body)
+        ))
+    } else {
+        serde_json::from_slice(&body)
+            .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&body).into_owned()))
+    };
     if status.is_success() {
-        return Ok(Effect::Succeeded(body));
+        return Ok(Outcome {
+            effect: Effect::Succeeded(body),
+            cut,
+        });
     }
     let error = json!({ "status": status.as_u16(), "body": body });
     if matches!(status.as_u16(), 408 | 429) || status.is_server_error() {
@@ -151,7 +198,11 @@ async fn attempt(request: reqwest::RequestBuilder) -> Result<Effect, Transient> 
             error,
             retry_after,
             sent: true,
+            cut,
         });
     }
-    Ok(Effect::Failed(error))
+    Ok(Outcome {
+        effect: Effect::Failed(error),
+        cut,
+    })
 }

@@ -13,6 +13,8 @@
 //! | `/hang` | never answers; notices the client closing the connection |
 //! | `/slow` | answers only once `slow_until` requests have arrived in all |
 //! | `/held` | the first request is recorded (its effect done) and held until the client goes; later ones as `/effect` |
+//! | `/redirect` | 307 to the URL given to `redirect_to` |
+//! | `/endless` | 200 with a body that never ends (chunks of `x` until the client goes) |
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -47,6 +49,7 @@ struct Shared {
     closed: Mutex<usize>,
     changed: Notify,
     slow_until: Mutex<usize>,
+    redirect_to: Mutex<String>,
 }
 
 pub struct Downstream {
@@ -69,6 +72,11 @@ impl Downstream {
     /// `/slow` answers once this many requests have arrived in all.
     pub fn slow_until(&self, requests: usize) {
         *self.shared.slow_until.lock().unwrap() = requests;
+    }
+
+    /// Where `/redirect` points.
+    pub fn redirect_to(&self, url: &str) {
+        *self.shared.redirect_to.lock().unwrap() = url.to_owned();
     }
 
     pub fn requests(&self) -> Vec<Recorded> {
@@ -177,6 +185,22 @@ async fn handle(
             .into_response(),
         "flaky" => effect(&shared, key, body).into_response(),
         "big" => axum::Json(json!({ "text": "x".repeat(2000) })).into_response(),
+        "redirect" => {
+            let location = shared.redirect_to.lock().unwrap().clone();
+            (StatusCode::TEMPORARY_REDIRECT, [("location", location)]).into_response()
+        }
+        "endless" => {
+            // Paced, so that a client reading it whole fills its memory
+            // slowly (16 MB/s) until its timeout, not the machine's at once.
+            let body = async_stream::stream! {
+                let chunk = Bytes::from(vec![b'x'; 16 * 1024]);
+                loop {
+                    yield Ok::<Bytes, std::io::Error>(chunk.clone());
+                    tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+                }
+            };
+            Response::new(axum::body::Body::from_stream(body))
+        }
         "hang" => std::future::pending().await,
         "slow" => {
             let deadline = tokio::time::Instant::now() + PATIENCE;

@@ -33,6 +33,8 @@ pub enum Reply {
         chunk_bytes: usize,
         pause: Duration,
     },
+    /// A 307 to another URL (as a proxy or a moved endpoint might answer).
+    Redirect { location: String },
 }
 
 impl Reply {
@@ -525,6 +527,12 @@ fn answer(shared: &Arc<Shared>, request: Value) -> Response {
             }
             response
         }
+        Reply::Redirect { location } => (
+            StatusCode::TEMPORARY_REDIRECT,
+            [("location", location)],
+            "moved",
+        )
+            .into_response(),
         Reply::Stream {
             sse,
             chunk_bytes,

@@ -18,6 +18,7 @@ mod providers;
 mod retries;
 mod runs;
 mod schema_drift;
+mod secrets;
 mod startup;
 mod subscriptions;
 mod tool_crash;

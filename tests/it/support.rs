@@ -4,6 +4,7 @@
 
 use std::path::PathBuf;
 use std::process::Stdio;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures_util::{SinkExt, StreamExt};
@@ -12,6 +13,7 @@ use tether::api::auth::Authenticator;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::net::TcpStream;
 use tokio::process::{Child, Command};
+use tokio::sync::watch;
 use tokio_tungstenite::tungstenite::Message as WsFrame;
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::http::HeaderValue;
@@ -180,6 +182,49 @@ pub struct Server {
     db: TestDb,
     options: ServerOptions,
     instance: String,
+    logs: Logs,
+}
+
+/// What the server's processes wrote to stderr (passed on to the test's
+/// own stderr as well), and whether the latest one has closed it.
+#[derive(Clone)]
+struct Logs {
+    text: Arc<Mutex<String>>,
+    open: watch::Sender<bool>,
+}
+
+impl Logs {
+    fn new() -> Logs {
+        Logs {
+            text: Arc::default(),
+            open: watch::Sender::new(false),
+        }
+    }
+
+    /// Echoes and keeps a process's stderr; its lines also come on the
+    /// returned channel as they are read.
+    fn follow(
+        &self,
+        stderr: tokio::process::ChildStderr,
+    ) -> tokio::sync::mpsc::UnboundedReceiver<String> {
+        let logs = self.clone();
+        let (log_tx, log) = tokio::sync::mpsc::unbounded_channel();
+        logs.open.send_replace(true);
+        tokio::spawn(async move {
+            let mut lines = BufReader::new(stderr).lines();
+            while let Ok(Some(line)) = lines.next_line().await {
+                eprintln!("{line}");
+                {
+                    let mut text = logs.text.lock().unwrap();
+                    text.push_str(&line);
+                    text.push('\n');
+                }
+                let _ = log_tx.send(line);
+            }
+            logs.open.send_replace(false);
+        });
+        log
+    }
 }
 
 async fn spawn(
@@ -187,8 +232,9 @@ async fn spawn(
     options: &ServerOptions,
     instance: &str,
     extra_env: &[(&str, &str)],
+    logs: &Logs,
 ) -> (Child, String) {
-    match launch(db, options, instance, extra_env).await {
+    match launch(db, options, instance, extra_env, logs).await {
         Launch::Serving { child, base, .. } => (child, base),
         Launch::Exited { status, stderr } => {
             panic!("tether exited ({status}) before printing its address: {stderr}")
@@ -216,6 +262,7 @@ async fn launch(
     options: &ServerOptions,
     instance: &str,
     extra_env: &[(&str, &str)],
+    logs: &Logs,
 ) -> Launch {
     let mut command = tether_command(db, &options.config, &db.dir);
     command
@@ -230,14 +277,7 @@ async fn launch(
         command.env(key, value);
     }
     let mut child = command.spawn().expect("the tether binary starts");
-    let (log_tx, mut log) = tokio::sync::mpsc::unbounded_channel();
-    let mut stderr = BufReader::new(child.stderr.take().unwrap()).lines();
-    tokio::spawn(async move {
-        while let Ok(Some(line)) = stderr.next_line().await {
-            eprintln!("{line}");
-            let _ = log_tx.send(line);
-        }
-    });
+    let mut log = logs.follow(child.stderr.take().unwrap());
     let stdout = child.stdout.take().unwrap();
     let mut lines = BufReader::new(stdout).lines();
     let line = tokio::time::timeout(Duration::from_secs(60), lines.next_line())
@@ -311,7 +351,8 @@ impl Server {
     pub async fn start_with(options: ServerOptions) -> Server {
         let db = TestDb::new().await;
         let instance = format!("it-{}", Uuid::now_v7().simple());
-        let (child, base) = spawn(&db, &options, &instance, &[]).await;
+        let logs = Logs::new();
+        let (child, base) = spawn(&db, &options, &instance, &[], &logs).await;
         let addr = base.trim_start_matches("http://").to_owned();
         Server {
             base,
@@ -322,6 +363,7 @@ impl Server {
             db,
             options,
             instance,
+            logs,
         }
     }
 
@@ -360,7 +402,7 @@ impl Server {
         } else {
             format!("it-{}", Uuid::now_v7().simple())
         };
-        launch(&self.db, &options, &instance, &[]).await
+        launch(&self.db, &options, &instance, &[], &Logs::new()).await
     }
 
     /// The server process's open file descriptors.
@@ -398,10 +440,30 @@ impl Server {
     /// `extra_env` on top of the options' environment. The old process must
     /// be gone.
     pub async fn restart(&mut self, extra_env: &[(&str, &str)]) {
-        let (child, base) = spawn(&self.db, &self.options, &self.instance, extra_env).await;
+        let (child, base) = spawn(
+            &self.db,
+            &self.options,
+            &self.instance,
+            extra_env,
+            &self.logs,
+        )
+        .await;
         self.addr = base.trim_start_matches("http://").to_owned();
         self.base = base;
         self.child = child;
+    }
+
+    /// Stops the process with SIGTERM and returns everything its processes
+    /// wrote to stderr, once the last of it has been read.
+    pub async fn logs_after_exit(&mut self) -> String {
+        self.terminate();
+        self.exited().await;
+        let mut open = self.logs.open.subscribe();
+        tokio::time::timeout(PATIENCE, open.wait_for(|open| !open))
+            .await
+            .expect("the server's stderr closes once it has exited")
+            .unwrap();
+        self.logs.text.lock().unwrap().clone()
     }
 
     /// The configuration the next `restart` uses (a deployment that changes

@@ -1,0 +1,177 @@
+//! Keeping secrets out of what tenants, models and logs see: text from
+//! outside (a provider's error message) with anything key-like masked, and
+//! URLs reduced to where they point.
+//!
+//! A leaf: it imports nothing of the project, so every layer may use it.
+
+use std::fmt;
+use std::sync::LazyLock;
+
+use regex::{Captures, Regex};
+
+/// What stands in for a masked secret.
+pub const MASK: &str = "[redacted]";
+
+/// The longest outside message passed on, in characters.
+pub const MAX_MESSAGE_CHARS: usize = 500;
+
+/// Secret-shaped pieces of text, most specific first. The last one catches
+/// long random-looking tokens (keys, signatures, JWT segments) by their
+/// shape; `looks_random` decides.
+static PATTERNS: LazyLock<[Regex; 4]> = LazyLock::new(|| {
+    [
+        // A bearer credential.
+        Regex::new(r"(?i)\b(bearer)\s+[A-Za-z0-9._~+/=-]+"),
+        // `api_key=…`, `"x-api-key": "…"`, `password: …` and the like; the
+        // whole name must match, so `max_tokens: 8192` stays.
+        Regex::new(
+            r#"(?i)\b((?:x-)?api[_-]?key|key|(?:access|refresh|auth|id)?[_-]?token|(?:client[_-]?)?secret|password|passwd|signature|sig|credentials?)\b(["']?\s*[:=]\s*["']?)[^\s"'&,;}]+"#,
+        ),
+        // Provider keys: `sk-…`, `sk-ant-…`, `sk-proj-…`, `pk-…`, `rk-…`.
+        Regex::new(r"\b(?:sk|pk|rk)-[A-Za-z0-9_-]{6,}"),
+        Regex::new(r"[A-Za-z0-9+/=_-]{24,}"),
+    ]
+    .map(|pattern| pattern.expect("the redaction patterns are valid"))
+});
+
+/// Long, and mixing digits with letters, as generated tokens do; words,
+/// identifiers in snake case and most model names do not.
+fn looks_random(token: &str) -> bool {
+    let digits = token.chars().filter(char::is_ascii_digit).count();
+    let letters = token.chars().filter(char::is_ascii_alphabetic).count();
+    token.len() >= 32 && digits >= 4 && letters >= 4
+}
+
+/// The text with anything that looks like a key, token or password masked.
+pub fn secrets(text: &str) -> String {
+    let [scheme, assignment, provider_key, long] = &*PATTERNS;
+    let text = scheme.replace_all(text, |c: &Captures| format!("{} {MASK}", &c[1]));
+    let text = assignment.replace_all(&text, |c: &Captures| format!("{}{}{MASK}", &c[1], &c[2]));
+    let text = provider_key.replace_all(&text, MASK);
+    long.replace_all(&text, |c: &Captures| {
+        if looks_random(&c[0]) {
+            MASK.to_owned()
+        } else {
+            c[0].to_owned()
+        }
+    })
+    .into_owned()
+}
+
+/// An outside message as it may be shown and stored: secrets masked, at
+/// most `MAX_MESSAGE_CHARS` characters.
+pub fn message(text: &str) -> String {
+    let text = secrets(text.trim());
+    match text.char_indices().nth(MAX_MESSAGE_CHARS) {
+        Some((cut, _)) => format!("{}…", &text[..cut]),
+        None => text,
+    }
+}
+
+/// Where a URL points, for logs and `Debug`: its scheme, host and port,
+/// never its user, path or query (webhook URLs carry tokens there).
+pub fn origin(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return "<not a URL>".to_owned();
+    };
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or_default();
+    let host = authority.rsplit('@').next().unwrap_or_default();
+    format!("{scheme}://{host}")
+}
+
+/// `Debug` for an optional secret: whether it is there, never what it is.
+pub struct Hidden<'a, T>(pub &'a Option<T>);
+
+impl<T> fmt::Debug for Hidden<'_, T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            Some(_) => write!(f, "Some({MASK})"),
+            None => f.write_str("None"),
+        }
+    }
+}
+
+/// `Debug` for a URL that may carry a secret: its origin only.
+pub struct Origin<'a>(pub &'a str);
+
+impl fmt::Debug for Origin<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "\"{}/{MASK}\"", origin(self.0))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_tokens_and_assignments_are_masked() {
+        let cases = [
+            (
+                "invalid x-api-key sk-ant-api03-AbCdEf123456",
+                "invalid x-api-key [redacted]",
+            ),
+            (
+                "Incorrect API key provided: sk-proj-abc123XYZ",
+                "Incorrect API key provided: [redacted]",
+            ),
+            (
+                "header Authorization: Bearer eyJhbGciOi.e30.sig",
+                "header Authorization: Bearer [redacted]",
+            ),
+            (
+                "GET /hook?api_key=hunter2&x=1",
+                "GET /hook?api_key=[redacted]&x=1",
+            ),
+            (r#"{"password": "p4ss"}"#, r#"{"password": "[redacted]"}"#),
+            (
+                "signed with 9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08",
+                "signed with [redacted]",
+            ),
+        ];
+        for (text, expected) in cases {
+            assert_eq!(secrets(text), expected, "{text}");
+        }
+    }
+
+    #[test]
+    fn ordinary_words_and_model_names_stay() {
+        for text in [
+            "model: claude-3-5-sonnet-20241022 not found",
+            "overloaded_error: the servers are overloaded right now",
+            "max_tokens: 8192 > 4096, which is the maximum allowed",
+            "request_id req_011CSHoEeqs5C35K2UUqR7Fy",
+        ] {
+            assert_eq!(secrets(text), text);
+        }
+    }
+
+    #[test]
+    fn messages_are_capped_on_a_character_boundary() {
+        let long = "é".repeat(MAX_MESSAGE_CHARS + 10);
+        let capped = message(&long);
+        assert_eq!(capped.chars().count(), MAX_MESSAGE_CHARS + 1);
+        assert!(capped.ends_with('…'));
+        assert_eq!(message("  short  "), "short");
+    }
+
+    #[test]
+    fn origins_drop_user_path_and_query() {
+        assert_eq!(
+            origin("https://user:pw@hooks.example.com:8443/T0/B1/s3cr3t?token=x#f"),
+            "https://hooks.example.com:8443"
+        );
+        assert_eq!(origin("http://127.0.0.1:9?key=k"), "http://127.0.0.1:9");
+        assert_eq!(origin("s3cr3t"), "<not a URL>");
+        let hidden = format!(
+            "{:?} {:?}",
+            Hidden(&Some("s3cr3t")),
+            Hidden::<String>(&None)
+        );
+        assert_eq!(hidden, "Some([redacted]) None");
+        assert_eq!(
+            format!("{:?}", Origin("http://h:1/p/s3cr3t")),
+            "\"http://h:1/[redacted]\""
+        );
+    }
+}
