@@ -46,6 +46,9 @@ fn block(content: &Content) -> Option<Value> {
         Content::Reasoning {
             signature: None, ..
         } => None,
+        Content::RedactedReasoning { data } => {
+            Some(json!({ "type": "redacted_thinking", "data": data }))
+        }
         Content::ToolUse { id, name, input } => {
             Some(json!({ "type": "tool_use", "id": id, "name": name, "input": input }))
         }
@@ -81,7 +84,7 @@ fn merge(
 }
 
 fn is_thinking(block: &Value) -> bool {
-    block["type"] == "thinking"
+    block["type"] == "thinking" || block["type"] == "redacted_thinking"
 }
 
 /// Turns as Messages API messages. Consecutive turns of one role are merged
@@ -174,6 +177,9 @@ struct Parser {
     output_tokens: i64,
     stop_reason: String,
     open: HashMap<u64, Open>,
+    /// A tool call whose input did not parse, held until the stop reason
+    /// says whether the token limit cut it off.
+    broken: Option<ProviderError>,
 }
 
 /// A tool call's input from its streamed JSON text.
@@ -200,8 +206,9 @@ impl Parser {
     /// The model events of one server-sent event (`name` is its `event:`
     /// field, `raw` its data).
     fn feed(&mut self, name: &str, raw: &str) -> Vec<Item> {
-        let Ok(data) = serde_json::from_str::<Value>(raw) else {
-            return Vec::new();
+        let data = match serde_json::from_str::<Value>(raw) {
+            Ok(data) => data,
+            Err(err) => return vec![Err(ProviderError::invalid_event(err))],
         };
         let kind = data["type"].as_str().unwrap_or(name);
         let index = data["index"].as_u64().unwrap_or(0);
@@ -233,6 +240,10 @@ impl Parser {
                                 initial: block["input"].clone(),
                             },
                         );
+                    }
+                    Some("redacted_thinking") => {
+                        let data = block["data"].as_str().unwrap_or_default();
+                        out.push(Ok(ModelEvent::RedactedReasoning(data.to_owned())));
                     }
                     Some("thinking") => {
                         if let Some(text) = block["thinking"].as_str().filter(|t| !t.is_empty()) {
@@ -282,13 +293,12 @@ impl Parser {
                     name,
                     json,
                     initial,
-                }) => out.push(
-                    tool_input(&id, &name, &json, initial).map(|input| ModelEvent::ToolCall {
-                        id,
-                        name,
-                        input,
-                    }),
-                ),
+                }) => match tool_input(&id, &name, &json, initial) {
+                    Ok(input) => out.push(Ok(ModelEvent::ToolCall { id, name, input })),
+                    Err(err) => {
+                        self.broken.get_or_insert(err);
+                    }
+                },
                 // The signature closes its block: emitted once, whole.
                 Some(Open::Thinking { signature }) if !signature.is_empty() => {
                     out.push(Ok(ModelEvent::ReasoningSignature(signature)));
@@ -298,15 +308,30 @@ impl Parser {
             "message_delta" => {
                 if let Some(reason) = data["delta"]["stop_reason"].as_str() {
                     self.stop_reason = reason.to_owned();
+                    let in_call = self.broken.is_some()
+                        || self
+                            .open
+                            .values()
+                            .any(|o| matches!(o, Open::ToolUse { .. }));
+                    if reason == "max_tokens" && in_call {
+                        self.broken = Some(ProviderError::cut_off_in_tool_call());
+                    }
+                }
+                if let Some(err) = self.broken.take() {
+                    out.push(Err(err));
+                    return out;
                 }
                 if let Some(tokens) = data["usage"]["output_tokens"].as_i64() {
                     self.output_tokens = tokens;
                     out.push(Ok(self.usage()));
                 }
             }
-            "message_stop" => out.push(Ok(ModelEvent::Finished {
-                stop_reason: std::mem::take(&mut self.stop_reason),
-            })),
+            "message_stop" => out.push(match self.broken.take() {
+                Some(err) => Err(err),
+                None => Ok(ModelEvent::Finished {
+                    stop_reason: std::mem::take(&mut self.stop_reason),
+                }),
+            }),
             "error" => {
                 let (code, message) =
                     describe(&data).unwrap_or_else(|| ("api_error".into(), raw.to_owned()));
@@ -340,29 +365,37 @@ impl Provider for Anthropic {
             .header("anthropic-version", VERSION)
             .json(&body(&request));
         let response = http::send(builder, describe, self.0.idle_timeout).await?;
-        let mut events = Box::pin(http::events(response, self.0.idle_timeout));
-        let stream = async_stream::stream! {
-            let mut parser = Parser::default();
-            while let Some(event) = events.next().await {
-                let event = match event {
-                    Ok(event) => event,
-                    Err(err) => {
-                        yield Err(err);
-                        return;
-                    }
-                };
-                for item in parser.feed(&event.event, &event.data) {
-                    let last = matches!(item, Err(_) | Ok(ModelEvent::Finished { .. }));
-                    yield item;
-                    if last {
-                        return;
-                    }
+        Ok(model_events(http::events(response, self.0.idle_timeout)))
+    }
+}
+
+/// A Messages API stream's server-sent events as model events, ending at
+/// the first error or at `message_stop`.
+fn model_events(
+    events: impl futures_util::Stream<Item = Result<http::Event, ProviderError>> + Send + 'static,
+) -> ModelStream {
+    let mut events = Box::pin(events);
+    let stream = async_stream::stream! {
+        let mut parser = Parser::default();
+        while let Some(event) = events.next().await {
+            let event = match event {
+                Ok(event) => event,
+                Err(err) => {
+                    yield Err(err);
+                    return;
+                }
+            };
+            for item in parser.feed(&event.event, &event.data) {
+                let last = matches!(item, Err(_) | Ok(ModelEvent::Finished { .. }));
+                yield item;
+                if last {
+                    return;
                 }
             }
-            yield Err(ProviderError::Network("the stream ended before message_stop".into()));
-        };
-        Ok(stream.boxed())
-    }
+        }
+        yield Err(ProviderError::Network("the stream ended before message_stop".into()));
+    };
+    stream.boxed()
 }
 
 #[cfg(test)]
@@ -602,13 +635,47 @@ mod tests {
                 input: json!({ "q": "a\"b" })
             })]
         );
-        feed(&mut parser, start(3, "t3"));
-        feed(&mut parser, part(3, "{\"q\": "));
-        let bad = feed(&mut parser, stop(3));
-        assert!(
-            matches!(&bad[..], [Err(ProviderError::Stream { code, message })]
-                if code == "invalid_tool_input" && message.contains("t3")),
-            "{bad:?}"
+        // Input that does not parse fails the stream once the stop reason
+        // says whether the token limit cut it off.
+        let stop_reason = |reason: &str| {
+            json!({ "type": "message_delta", "delta": { "stop_reason": reason },
+                    "usage": { "output_tokens": 9 } })
+        };
+        for (reason, expected) in [
+            ("tool_use", "invalid_tool_input"),
+            ("max_tokens", "max_tokens"),
+        ] {
+            let mut parser = Parser::default();
+            feed(&mut parser, start(3, "t3"));
+            feed(&mut parser, part(3, "{\"q\": "));
+            assert!(feed(&mut parser, stop(3)).is_empty());
+            let bad = feed(&mut parser, stop_reason(reason));
+            match &bad[..] {
+                [Err(err @ ProviderError::Stream { code, message })] => {
+                    assert_eq!(code, expected);
+                    assert!(message.contains("t3"), "{message}");
+                    assert!(err.is_transient());
+                }
+                [Err(err @ ProviderError::Unusable { code, .. })] => {
+                    assert_eq!(code, expected);
+                    assert!(!err.is_transient());
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        // A call still open when the limit hits is cut off too.
+        let mut parser = Parser::default();
+        feed(&mut parser, start(4, "t4"));
+        let cut = feed(&mut parser, stop_reason("max_tokens"));
+        assert_eq!(cut, [Err(ProviderError::cut_off_in_tool_call())]);
+        // Text cut off by the limit is an ordinary end.
+        let mut parser = Parser::default();
+        assert_eq!(
+            feed(&mut parser, stop_reason("max_tokens")),
+            [Ok(ModelEvent::Usage {
+                input_tokens: 0,
+                output_tokens: 9
+            })]
         );
     }
 

@@ -249,8 +249,13 @@ impl Parser {
         if raw.trim() == "[DONE]" {
             return self.end(true);
         }
-        let Ok(chunk) = serde_json::from_str::<Value>(raw) else {
+        // Some servers send an empty `data:` as a keep-alive.
+        if raw.trim().is_empty() {
             return Vec::new();
+        }
+        let chunk = match serde_json::from_str::<Value>(raw) {
+            Ok(chunk) => chunk,
+            Err(err) => return vec![Err(ProviderError::invalid_event(err))],
         };
         if let Some((code, message)) = describe(&chunk) {
             return vec![Err(ProviderError::Stream { code, message })];
@@ -279,8 +284,14 @@ impl Parser {
             }
             if let Some(reason) = choice["finish_reason"].as_str() {
                 self.stop_reason = Some(reason.to_owned());
-                // The calls are complete once their choice finishes.
-                out.extend(self.flush());
+                // The calls are complete once their choice finishes, unless
+                // the token limit cut one of them off.
+                let calls = self.flush();
+                if reason == "length" && calls.iter().any(Result::is_err) {
+                    out.push(Err(ProviderError::cut_off_in_tool_call()));
+                } else {
+                    out.extend(calls);
+                }
             }
         }
         out
@@ -313,35 +324,43 @@ impl Provider for OpenAi {
             builder = builder.bearer_auth(key);
         }
         let response = http::send(builder, describe, self.0.idle_timeout).await?;
-        let mut events = Box::pin(http::events(response, self.0.idle_timeout));
-        let stream = async_stream::stream! {
-            let mut parser = Parser::default();
-            while let Some(event) = events.next().await {
-                let event = match event {
-                    Ok(event) => event,
-                    Err(err) => {
-                        yield Err(err);
-                        return;
-                    }
-                };
-                for item in parser.feed(&event.data) {
-                    let last = matches!(item, Err(_) | Ok(ModelEvent::Finished { .. }));
-                    yield item;
-                    if last {
-                        return;
-                    }
+        Ok(model_events(http::events(response, self.0.idle_timeout)))
+    }
+}
+
+/// A chat-completions stream's server-sent events as model events, ending
+/// at the first error or when the stream is done.
+fn model_events(
+    events: impl futures_util::Stream<Item = Result<http::Event, ProviderError>> + Send + 'static,
+) -> ModelStream {
+    let mut events = Box::pin(events);
+    let stream = async_stream::stream! {
+        let mut parser = Parser::default();
+        while let Some(event) = events.next().await {
+            let event = match event {
+                Ok(event) => event,
+                Err(err) => {
+                    yield Err(err);
+                    return;
                 }
-            }
-            for item in parser.end(false) {
-                let last = item.is_err();
+            };
+            for item in parser.feed(&event.data) {
+                let last = matches!(item, Err(_) | Ok(ModelEvent::Finished { .. }));
                 yield item;
                 if last {
                     return;
                 }
             }
-        };
-        Ok(stream.boxed())
-    }
+        }
+        for item in parser.end(false) {
+            let last = item.is_err();
+            yield item;
+            if last {
+                return;
+            }
+        }
+    };
+    stream.boxed()
 }
 
 #[cfg(test)]
