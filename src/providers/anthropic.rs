@@ -711,4 +711,139 @@ mod tests {
             [Ok(ModelEvent::ReasoningSignature("EqQBsig".into()))]
         );
     }
+
+    mod streams {
+        use super::*;
+        use crate::providers::http::MAX_EVENT_BYTES;
+        use crate::providers::http::tests::{collect, cut, events_of};
+        use proptest::prelude::*;
+
+        fn event(data: Value) -> String {
+            format!(
+                "event: {}\ndata: {data}\n\n",
+                data["type"].as_str().unwrap()
+            )
+        }
+
+        /// A Messages API stream: signed thinking, text in pieces, one tool
+        /// call whose input streams three characters at a time.
+        fn sse(thinking: &str, text: &[String], input: &Value) -> Vec<String> {
+            let mut events = vec![event(json!({ "type": "message_start",
+                "message": { "usage": { "input_tokens": 7, "output_tokens": 1 } } }))];
+            let delta = |index: u64, delta: Value| {
+                event(json!({ "type": "content_block_delta", "index": index, "delta": delta }))
+            };
+            let start = |index: u64, block: Value| {
+                event(
+                    json!({ "type": "content_block_start", "index": index, "content_block": block }),
+                )
+            };
+            let stop = |index: u64| event(json!({ "type": "content_block_stop", "index": index }));
+            events.push(start(0, json!({ "type": "thinking", "thinking": "" })));
+            events.push(delta(
+                0,
+                json!({ "type": "thinking_delta", "thinking": thinking }),
+            ));
+            events.push(delta(
+                0,
+                json!({ "type": "signature_delta", "signature": "sig" }),
+            ));
+            events.push(stop(0));
+            events.push(start(1, json!({ "type": "text", "text": "" })));
+            events.push(event(json!({ "type": "ping" })));
+            for piece in text {
+                events.push(delta(1, json!({ "type": "text_delta", "text": piece })));
+            }
+            events.push(stop(1));
+            events.push(start(
+                2,
+                json!({ "type": "tool_use", "id": "t1", "name": "f", "input": {} }),
+            ));
+            let json: Vec<char> = input.to_string().chars().collect();
+            for piece in json.chunks(3) {
+                let piece: String = piece.iter().collect();
+                events.push(delta(
+                    2,
+                    json!({ "type": "input_json_delta", "partial_json": piece }),
+                ));
+            }
+            events.push(stop(2));
+            events.push(event(json!({ "type": "message_delta",
+                "delta": { "stop_reason": "tool_use" }, "usage": { "output_tokens": 9 } })));
+            events.push(event(json!({ "type": "message_stop" })));
+            events
+        }
+
+        fn model_events_of(body: &[u8], cuts: &[usize]) -> Vec<Item> {
+            collect(model_events(events_of(cut(body, cuts), MAX_EVENT_BYTES)))
+        }
+
+        fn joined(events: &[ModelEvent], reasoning: bool) -> String {
+            events
+                .iter()
+                .filter_map(|e| match e {
+                    ModelEvent::Text(t) if !reasoning => Some(t.as_str()),
+                    ModelEvent::Reasoning(t) if reasoning => Some(t.as_str()),
+                    _ => None,
+                })
+                .collect()
+        }
+
+        proptest! {
+            #[test]
+            fn a_stream_cut_at_any_bytes_gives_the_same_events(
+                thinking in "\\PC{0,20}",
+                text in prop::collection::vec("\\PC{0,12}", 0..5),
+                value in "\\PC{0,30}",
+                cuts in prop::collection::vec(any::<usize>(), 0..40),
+            ) {
+                let input = json!({ "q": value });
+                let body = sse(&thinking, &text, &input).concat();
+                let events: Vec<ModelEvent> = model_events_of(body.as_bytes(), &cuts)
+                    .into_iter()
+                    .collect::<Result<_, _>>()
+                    .unwrap();
+                prop_assert_eq!(joined(&events, false), text.concat());
+                prop_assert_eq!(joined(&events, true), thinking);
+                prop_assert!(events.contains(&ModelEvent::ReasoningSignature("sig".into())));
+                let call = ModelEvent::ToolCall { id: "t1".into(), name: "f".into(), input };
+                prop_assert!(events.contains(&call));
+                prop_assert_eq!(
+                    events.last(),
+                    Some(&ModelEvent::Finished { stop_reason: "tool_use".into() })
+                );
+            }
+
+            #[test]
+            fn an_event_with_broken_json_fails_the_stream_wherever_it_is(
+                which in any::<prop::sample::Index>(),
+                keep in any::<prop::sample::Index>(),
+                cuts in prop::collection::vec(any::<usize>(), 0..40),
+            ) {
+                let mut events = sse("Hmm.", &["Hi ".into(), "there".into()], &json!({ "q": "é" }));
+                let which = which.index(events.len());
+                let line = events[which].lines().nth(1).unwrap().to_owned();
+                let data = line.strip_prefix("data: ").unwrap();
+                // JSON text cut short is never valid.
+                let broken = &data[..data.floor_char_boundary(keep.index(data.len()))];
+                events[which] = events[which].replace(data, broken);
+                let items = model_events_of(events.concat().as_bytes(), &cuts);
+                prop_assert!(
+                    matches!(items.last(), Some(Err(ProviderError::Stream { code, .. })) if code == "invalid_event"),
+                    "{:?}", items
+                );
+                let finished = items.iter().any(|i| matches!(i, Ok(ModelEvent::Finished { .. })));
+                prop_assert!(!finished);
+            }
+
+            #[test]
+            fn arbitrary_bytes_never_panic_and_end_the_stream_with_an_error(
+                bytes in prop::collection::vec(any::<u8>(), 0..300),
+                cuts in prop::collection::vec(any::<usize>(), 0..16),
+            ) {
+                let items = model_events_of(&bytes, &cuts);
+                prop_assert!(items.last().is_some_and(Result::is_err), "{:?}", items);
+            }
+        }
+    }
 }

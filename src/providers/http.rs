@@ -297,16 +297,23 @@ pub(crate) mod tests {
     use proptest::prelude::*;
     use reqwest::header::HeaderValue;
 
-    /// Everything `sse` makes of these chunks, on a runtime of its own.
-    pub(crate) fn sse_of(chunks: Vec<Vec<u8>>, limit: usize) -> Vec<Result<Event, ProviderError>> {
+    /// The events of a body arriving in these chunks.
+    pub(crate) fn events_of(
+        chunks: Vec<Vec<u8>>,
+        limit: usize,
+    ) -> impl Stream<Item = Result<Event, ProviderError>> + Send {
         let body = futures_util::stream::iter(chunks.into_iter().map(Ok));
-        let events = sse(
+        sse(
             body,
             Duration::from_secs(5),
             limit,
             |e: std::convert::Infallible| match e {},
-        );
-        collect(events)
+        )
+    }
+
+    /// Everything `sse` makes of these chunks.
+    fn sse_of(chunks: Vec<Vec<u8>>, limit: usize) -> Vec<Result<Event, ProviderError>> {
+        collect(events_of(chunks, limit))
     }
 
     /// Every item of a stream, on a runtime of its own.
