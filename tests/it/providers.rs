@@ -1133,3 +1133,19 @@ async fn anthropic_refuses_thinking_blocks_merged_left_out_or_changed_when_the_c
     assert_eq!(refusal(send(moved).await), modified);
     assert_eq!(fake.requests().len(), 2, "refused requests get no reply");
 }
+
+#[tokio::test]
+async fn an_event_over_four_mebibytes_fails_the_run_without_retrying() {
+    let fake = FakeProvider::start(Wire::OpenAi).await;
+    // One `data:` line longer than the limit, and no line break after it.
+    let endless = format!("data: {{\"pad\": \"{}", "x".repeat(4 * 1024 * 1024));
+    fake.script([stream(endless, 64 * 1024)]);
+    let server = server_for(&fake, "openai").await;
+    let token = server.token("acme", "ada");
+    let conversation = server.create_conversation(&token).await;
+    let (_, run) = server.send(&token, &conversation, "hi").await;
+    let ended = server.wait_until_ended(&token, &run).await;
+    assert_eq!(ended["status"], "FAILED", "{ended}");
+    assert_eq!(ended["error"]["code"], "event_too_large", "{ended}");
+    assert_eq!(fake.requests().len(), 1, "not retried");
+}
