@@ -1155,4 +1155,92 @@ token_env = "ACME"
         assert!(shown.contains("MY_KEY"), "{shown}");
         assert!(shown.contains("Some([redacted])"), "{shown}");
     }
+
+    mod fuzz {
+        use super::*;
+        use proptest::prelude::*;
+
+        const SAMPLE: &str = include_str!("../tether.toml");
+
+        /// The lines of the sample that set a key, with the key.
+        fn settings() -> Vec<(usize, String)> {
+            SAMPLE
+                .lines()
+                .enumerate()
+                .filter_map(|(i, line)| {
+                    let (key, _) = line.split_once('=')?;
+                    let key = key.trim();
+                    (!key.is_empty() && !key.starts_with('#') && !key.contains(' '))
+                        .then(|| (i, key.to_owned()))
+                })
+                .collect()
+        }
+
+        /// Values of every kind, odd ones included.
+        fn value() -> impl Strategy<Value = String> {
+            prop_oneof![
+                prop::sample::select(vec![
+                    "-1",
+                    "0",
+                    "\"\"",
+                    "\"x\"",
+                    "true",
+                    "[]",
+                    "{}",
+                    "[1, \"a\"]",
+                    "1.5",
+                    "-9223372036854775808",
+                    "18446744073709551616",
+                    "1e400",
+                    "nan",
+                    "inf",
+                    "1979-05-27T07:32:00Z",
+                    "{ a = 1 }",
+                ])
+                .prop_map(str::to_owned),
+                any::<i64>().prop_map(|n| n.to_string()),
+                any::<u64>().prop_map(|n| n.to_string()),
+                "\\PC{0,12}".prop_map(|s| format!("{s:?}")),
+            ]
+        }
+
+        proptest! {
+            #[test]
+            fn arbitrary_text_is_refused_or_taken_never_a_panic(text in "\\PC{0,200}") {
+                let _ = FileConfig::from_toml(&text);
+            }
+
+            #[test]
+            fn a_sample_with_one_value_changed_is_refused_naming_a_key(
+                which in any::<prop::sample::Index>(),
+                value in value(),
+            ) {
+                let settings = settings();
+                let (line, key) = &settings[which.index(settings.len())];
+                let text: Vec<String> = SAMPLE
+                    .lines()
+                    .enumerate()
+                    .map(|(i, l)| if i == *line { format!("{key} = {value}") } else { l.to_owned() })
+                    .collect();
+                let text = text.join("\n");
+                match FileConfig::from_toml(&text) {
+                    Ok(_) => {}
+                    // The parser's message quotes the line, key and all.
+                    Err(ConfigError::Parse { message, .. }) => {
+                        prop_assert!(message.contains(key.as_str()), "{key}: {message}");
+                    }
+                    // A refusal names a key the file has.
+                    Err(ConfigError::Invalid { key: named, message }) => {
+                        let last = named.rsplit(['.', '[']).next().unwrap_or_default();
+                        let last = last.trim_end_matches(']');
+                        prop_assert!(
+                            !last.is_empty() && (text.contains(last) || named.contains(key.as_str())),
+                            "{named}: {message}"
+                        );
+                    }
+                    Err(other) => prop_assert!(false, "{other}"),
+                }
+            }
+        }
+    }
 }

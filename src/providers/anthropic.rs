@@ -46,6 +46,9 @@ fn block(content: &Content) -> Option<Value> {
         Content::Reasoning {
             signature: None, ..
         } => None,
+        Content::RedactedReasoning { data } => {
+            Some(json!({ "type": "redacted_thinking", "data": data }))
+        }
         Content::ToolUse { id, name, input } => {
             Some(json!({ "type": "tool_use", "id": id, "name": name, "input": input }))
         }
@@ -81,7 +84,7 @@ fn merge(
 }
 
 fn is_thinking(block: &Value) -> bool {
-    block["type"] == "thinking"
+    block["type"] == "thinking" || block["type"] == "redacted_thinking"
 }
 
 /// Turns as Messages API messages. Consecutive turns of one role are merged
@@ -174,6 +177,9 @@ struct Parser {
     output_tokens: i64,
     stop_reason: String,
     open: HashMap<u64, Open>,
+    /// A tool call whose input did not parse, held until the stop reason
+    /// says whether the token limit cut it off.
+    broken: Option<ProviderError>,
 }
 
 /// A tool call's input from its streamed JSON text.
@@ -200,8 +206,9 @@ impl Parser {
     /// The model events of one server-sent event (`name` is its `event:`
     /// field, `raw` its data).
     fn feed(&mut self, name: &str, raw: &str) -> Vec<Item> {
-        let Ok(data) = serde_json::from_str::<Value>(raw) else {
-            return Vec::new();
+        let data = match serde_json::from_str::<Value>(raw) {
+            Ok(data) => data,
+            Err(err) => return vec![Err(ProviderError::invalid_event(err))],
         };
         let kind = data["type"].as_str().unwrap_or(name);
         let index = data["index"].as_u64().unwrap_or(0);
@@ -233,6 +240,10 @@ impl Parser {
                                 initial: block["input"].clone(),
                             },
                         );
+                    }
+                    Some("redacted_thinking") => {
+                        let data = block["data"].as_str().unwrap_or_default();
+                        out.push(Ok(ModelEvent::RedactedReasoning(data.to_owned())));
                     }
                     Some("thinking") => {
                         if let Some(text) = block["thinking"].as_str().filter(|t| !t.is_empty()) {
@@ -282,13 +293,12 @@ impl Parser {
                     name,
                     json,
                     initial,
-                }) => out.push(
-                    tool_input(&id, &name, &json, initial).map(|input| ModelEvent::ToolCall {
-                        id,
-                        name,
-                        input,
-                    }),
-                ),
+                }) => match tool_input(&id, &name, &json, initial) {
+                    Ok(input) => out.push(Ok(ModelEvent::ToolCall { id, name, input })),
+                    Err(err) => {
+                        self.broken.get_or_insert(err);
+                    }
+                },
                 // The signature closes its block: emitted once, whole.
                 Some(Open::Thinking { signature }) if !signature.is_empty() => {
                     out.push(Ok(ModelEvent::ReasoningSignature(signature)));
@@ -298,15 +308,30 @@ impl Parser {
             "message_delta" => {
                 if let Some(reason) = data["delta"]["stop_reason"].as_str() {
                     self.stop_reason = reason.to_owned();
+                    let in_call = self.broken.is_some()
+                        || self
+                            .open
+                            .values()
+                            .any(|o| matches!(o, Open::ToolUse { .. }));
+                    if reason == "max_tokens" && in_call {
+                        self.broken = Some(ProviderError::cut_off_in_tool_call());
+                    }
+                }
+                if let Some(err) = self.broken.take() {
+                    out.push(Err(err));
+                    return out;
                 }
                 if let Some(tokens) = data["usage"]["output_tokens"].as_i64() {
                     self.output_tokens = tokens;
                     out.push(Ok(self.usage()));
                 }
             }
-            "message_stop" => out.push(Ok(ModelEvent::Finished {
-                stop_reason: std::mem::take(&mut self.stop_reason),
-            })),
+            "message_stop" => out.push(match self.broken.take() {
+                Some(err) => Err(err),
+                None => Ok(ModelEvent::Finished {
+                    stop_reason: std::mem::take(&mut self.stop_reason),
+                }),
+            }),
             "error" => {
                 let (code, message) =
                     describe(&data).unwrap_or_else(|| ("api_error".into(), raw.to_owned()));
@@ -340,29 +365,37 @@ impl Provider for Anthropic {
             .header("anthropic-version", VERSION)
             .json(&body(&request));
         let response = http::send(builder, describe, self.0.idle_timeout).await?;
-        let mut events = Box::pin(http::events(response, self.0.idle_timeout));
-        let stream = async_stream::stream! {
-            let mut parser = Parser::default();
-            while let Some(event) = events.next().await {
-                let event = match event {
-                    Ok(event) => event,
-                    Err(err) => {
-                        yield Err(err);
-                        return;
-                    }
-                };
-                for item in parser.feed(&event.event, &event.data) {
-                    let last = matches!(item, Err(_) | Ok(ModelEvent::Finished { .. }));
-                    yield item;
-                    if last {
-                        return;
-                    }
+        Ok(model_events(http::events(response, self.0.idle_timeout)))
+    }
+}
+
+/// A Messages API stream's server-sent events as model events, ending at
+/// the first error or at `message_stop`.
+fn model_events(
+    events: impl futures_util::Stream<Item = Result<http::Event, ProviderError>> + Send + 'static,
+) -> ModelStream {
+    let mut events = Box::pin(events);
+    let stream = async_stream::stream! {
+        let mut parser = Parser::default();
+        while let Some(event) = events.next().await {
+            let event = match event {
+                Ok(event) => event,
+                Err(err) => {
+                    yield Err(err);
+                    return;
+                }
+            };
+            for item in parser.feed(&event.event, &event.data) {
+                let last = matches!(item, Err(_) | Ok(ModelEvent::Finished { .. }));
+                yield item;
+                if last {
+                    return;
                 }
             }
-            yield Err(ProviderError::Network("the stream ended before message_stop".into()));
-        };
-        Ok(stream.boxed())
-    }
+        }
+        yield Err(ProviderError::Network("the stream ended before message_stop".into()));
+    };
+    stream.boxed()
 }
 
 #[cfg(test)]
@@ -602,13 +635,47 @@ mod tests {
                 input: json!({ "q": "a\"b" })
             })]
         );
-        feed(&mut parser, start(3, "t3"));
-        feed(&mut parser, part(3, "{\"q\": "));
-        let bad = feed(&mut parser, stop(3));
-        assert!(
-            matches!(&bad[..], [Err(ProviderError::Stream { code, message })]
-                if code == "invalid_tool_input" && message.contains("t3")),
-            "{bad:?}"
+        // Input that does not parse fails the stream once the stop reason
+        // says whether the token limit cut it off.
+        let stop_reason = |reason: &str| {
+            json!({ "type": "message_delta", "delta": { "stop_reason": reason },
+                    "usage": { "output_tokens": 9 } })
+        };
+        for (reason, expected) in [
+            ("tool_use", "invalid_tool_input"),
+            ("max_tokens", "max_tokens"),
+        ] {
+            let mut parser = Parser::default();
+            feed(&mut parser, start(3, "t3"));
+            feed(&mut parser, part(3, "{\"q\": "));
+            assert!(feed(&mut parser, stop(3)).is_empty());
+            let bad = feed(&mut parser, stop_reason(reason));
+            match &bad[..] {
+                [Err(err @ ProviderError::Stream { code, message })] => {
+                    assert_eq!(code, expected);
+                    assert!(message.contains("t3"), "{message}");
+                    assert!(err.is_transient());
+                }
+                [Err(err @ ProviderError::Unusable { code, .. })] => {
+                    assert_eq!(code, expected);
+                    assert!(!err.is_transient());
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        // A call still open when the limit hits is cut off too.
+        let mut parser = Parser::default();
+        feed(&mut parser, start(4, "t4"));
+        let cut = feed(&mut parser, stop_reason("max_tokens"));
+        assert_eq!(cut, [Err(ProviderError::cut_off_in_tool_call())]);
+        // Text cut off by the limit is an ordinary end.
+        let mut parser = Parser::default();
+        assert_eq!(
+            feed(&mut parser, stop_reason("max_tokens")),
+            [Ok(ModelEvent::Usage {
+                input_tokens: 0,
+                output_tokens: 9
+            })]
         );
     }
 
@@ -643,5 +710,140 @@ mod tests {
             ),
             [Ok(ModelEvent::ReasoningSignature("EqQBsig".into()))]
         );
+    }
+
+    mod streams {
+        use super::*;
+        use crate::providers::http::MAX_EVENT_BYTES;
+        use crate::providers::http::tests::{collect, cut, events_of};
+        use proptest::prelude::*;
+
+        fn event(data: Value) -> String {
+            format!(
+                "event: {}\ndata: {data}\n\n",
+                data["type"].as_str().unwrap()
+            )
+        }
+
+        /// A Messages API stream: signed thinking, text in pieces, one tool
+        /// call whose input streams three characters at a time.
+        fn sse(thinking: &str, text: &[String], input: &Value) -> Vec<String> {
+            let mut events = vec![event(json!({ "type": "message_start",
+                "message": { "usage": { "input_tokens": 7, "output_tokens": 1 } } }))];
+            let delta = |index: u64, delta: Value| {
+                event(json!({ "type": "content_block_delta", "index": index, "delta": delta }))
+            };
+            let start = |index: u64, block: Value| {
+                event(
+                    json!({ "type": "content_block_start", "index": index, "content_block": block }),
+                )
+            };
+            let stop = |index: u64| event(json!({ "type": "content_block_stop", "index": index }));
+            events.push(start(0, json!({ "type": "thinking", "thinking": "" })));
+            events.push(delta(
+                0,
+                json!({ "type": "thinking_delta", "thinking": thinking }),
+            ));
+            events.push(delta(
+                0,
+                json!({ "type": "signature_delta", "signature": "sig" }),
+            ));
+            events.push(stop(0));
+            events.push(start(1, json!({ "type": "text", "text": "" })));
+            events.push(event(json!({ "type": "ping" })));
+            for piece in text {
+                events.push(delta(1, json!({ "type": "text_delta", "text": piece })));
+            }
+            events.push(stop(1));
+            events.push(start(
+                2,
+                json!({ "type": "tool_use", "id": "t1", "name": "f", "input": {} }),
+            ));
+            let json: Vec<char> = input.to_string().chars().collect();
+            for piece in json.chunks(3) {
+                let piece: String = piece.iter().collect();
+                events.push(delta(
+                    2,
+                    json!({ "type": "input_json_delta", "partial_json": piece }),
+                ));
+            }
+            events.push(stop(2));
+            events.push(event(json!({ "type": "message_delta",
+                "delta": { "stop_reason": "tool_use" }, "usage": { "output_tokens": 9 } })));
+            events.push(event(json!({ "type": "message_stop" })));
+            events
+        }
+
+        fn model_events_of(body: &[u8], cuts: &[usize]) -> Vec<Item> {
+            collect(model_events(events_of(cut(body, cuts), MAX_EVENT_BYTES)))
+        }
+
+        fn joined(events: &[ModelEvent], reasoning: bool) -> String {
+            events
+                .iter()
+                .filter_map(|e| match e {
+                    ModelEvent::Text(t) if !reasoning => Some(t.as_str()),
+                    ModelEvent::Reasoning(t) if reasoning => Some(t.as_str()),
+                    _ => None,
+                })
+                .collect()
+        }
+
+        proptest! {
+            #[test]
+            fn a_stream_cut_at_any_bytes_gives_the_same_events(
+                thinking in "\\PC{0,20}",
+                text in prop::collection::vec("\\PC{0,12}", 0..5),
+                value in "\\PC{0,30}",
+                cuts in prop::collection::vec(any::<usize>(), 0..40),
+            ) {
+                let input = json!({ "q": value });
+                let body = sse(&thinking, &text, &input).concat();
+                let events: Vec<ModelEvent> = model_events_of(body.as_bytes(), &cuts)
+                    .into_iter()
+                    .collect::<Result<_, _>>()
+                    .unwrap();
+                prop_assert_eq!(joined(&events, false), text.concat());
+                prop_assert_eq!(joined(&events, true), thinking);
+                prop_assert!(events.contains(&ModelEvent::ReasoningSignature("sig".into())));
+                let call = ModelEvent::ToolCall { id: "t1".into(), name: "f".into(), input };
+                prop_assert!(events.contains(&call));
+                prop_assert_eq!(
+                    events.last(),
+                    Some(&ModelEvent::Finished { stop_reason: "tool_use".into() })
+                );
+            }
+
+            #[test]
+            fn an_event_with_broken_json_fails_the_stream_wherever_it_is(
+                which in any::<prop::sample::Index>(),
+                keep in any::<prop::sample::Index>(),
+                cuts in prop::collection::vec(any::<usize>(), 0..40),
+            ) {
+                let mut events = sse("Hmm.", &["Hi ".into(), "there".into()], &json!({ "q": "é" }));
+                let which = which.index(events.len());
+                let line = events[which].lines().nth(1).unwrap().to_owned();
+                let data = line.strip_prefix("data: ").unwrap();
+                // JSON text cut short is never valid.
+                let broken = &data[..data.floor_char_boundary(keep.index(data.len()))];
+                events[which] = events[which].replace(data, broken);
+                let items = model_events_of(events.concat().as_bytes(), &cuts);
+                prop_assert!(
+                    matches!(items.last(), Some(Err(ProviderError::Stream { code, .. })) if code == "invalid_event"),
+                    "{:?}", items
+                );
+                let finished = items.iter().any(|i| matches!(i, Ok(ModelEvent::Finished { .. })));
+                prop_assert!(!finished);
+            }
+
+            #[test]
+            fn arbitrary_bytes_never_panic_and_end_the_stream_with_an_error(
+                bytes in prop::collection::vec(any::<u8>(), 0..300),
+                cuts in prop::collection::vec(any::<usize>(), 0..16),
+            ) {
+                let items = model_events_of(&bytes, &cuts);
+                prop_assert!(items.last().is_some_and(Result::is_err), "{:?}", items);
+            }
+        }
     }
 }

@@ -5,7 +5,8 @@
 use std::sync::OnceLock;
 use std::time::{Duration, SystemTime};
 
-use eventsource_stream::{Event, EventStreamError, Eventsource};
+pub use eventsource_stream::Event;
+use eventsource_stream::{EventStreamError, Eventsource};
 use futures_util::{Stream, StreamExt};
 use reqwest::header::HeaderMap;
 
@@ -227,13 +228,136 @@ fn failure_kind(err: &reqwest::Error) -> &'static str {
     }
 }
 
+/// The most bytes one server-sent event may take, its line breaks not
+/// counted: a line or an event longer than this fails the stream (no
+/// provider event comes near it; an endless line would otherwise be held in
+/// memory whole).
+pub const MAX_EVENT_BYTES: usize = 4 * 1024 * 1024;
+
+/// Watches an SSE body's bytes before they are parsed: it bounds the bytes
+/// of the event being read, and passes on only whole UTF-8 characters,
+/// refusing invalid UTF-8 (the SSE parser would otherwise hold everything
+/// after an invalid byte, unread, until the stream ends).
+struct Guard {
+    limit: usize,
+    /// Bytes of the current event so far.
+    event: usize,
+    /// The current line has bytes (a line break now does not end the event).
+    line_open: bool,
+    /// The last byte was a carriage return (its line feed is the same break).
+    after_cr: bool,
+    /// The start of a character cut by the end of the last chunk.
+    carry: Vec<u8>,
+}
+
+impl Guard {
+    fn new(limit: usize) -> Guard {
+        Guard {
+            limit,
+            event: 0,
+            line_open: false,
+            after_cr: false,
+            carry: Vec::new(),
+        }
+    }
+
+    /// The chunk's bytes to parse: the character cut at the end of the last
+    /// chunk completed, the one cut at the end of this one kept back.
+    fn check(&mut self, chunk: &[u8]) -> Result<Vec<u8>, ProviderError> {
+        for &byte in chunk {
+            match byte {
+                b'\n' if self.after_cr => self.after_cr = false,
+                b'\n' | b'\r' => {
+                    // A blank line ends the event.
+                    if !self.line_open {
+                        self.event = 0;
+                    }
+                    self.line_open = false;
+                    self.after_cr = byte == b'\r';
+                }
+                _ => {
+                    self.after_cr = false;
+                    self.line_open = true;
+                    self.event += 1;
+                    if self.event > self.limit {
+                        return Err(ProviderError::Unusable {
+                            code: "event_too_large".into(),
+                            message: format!(
+                                "the provider sent a server-sent event over {} bytes",
+                                self.limit
+                            ),
+                        });
+                    }
+                }
+            }
+        }
+        let mut bytes = std::mem::take(&mut self.carry);
+        bytes.extend_from_slice(chunk);
+        match std::str::from_utf8(&bytes) {
+            Ok(_) => Ok(bytes),
+            Err(err) if err.error_len().is_none() => {
+                self.carry = bytes.split_off(err.valid_up_to());
+                Ok(bytes)
+            }
+            Err(err) => Err(invalid_utf8(err)),
+        }
+    }
+
+    /// The end of the body: a character still cut is invalid.
+    fn finish(&self) -> Result<(), ProviderError> {
+        match std::str::from_utf8(&self.carry) {
+            Ok(_) => Ok(()),
+            Err(err) => Err(invalid_utf8(err)),
+        }
+    }
+}
+
+fn invalid_utf8(err: std::str::Utf8Error) -> ProviderError {
+    ProviderError::Stream {
+        code: "invalid_utf8".into(),
+        message: format!("the provider's stream is not valid UTF-8: {err}"),
+    }
+}
+
 /// The response's server-sent events; silence longer than `idle` between
 /// two chunks is a network error.
 pub fn events(
     response: reqwest::Response,
     idle: Duration,
 ) -> impl Stream<Item = Result<Event, ProviderError>> + Send {
-    let mut source = response.bytes_stream().eventsource();
+    sse(response.bytes_stream(), idle, MAX_EVENT_BYTES, network)
+}
+
+/// The server-sent events of a body's chunks, each event at most `limit`
+/// bytes; `transport` says what a failed chunk means.
+pub fn sse<S, B, E>(
+    body: S,
+    idle: Duration,
+    limit: usize,
+    transport: fn(E) -> ProviderError,
+) -> impl Stream<Item = Result<Event, ProviderError>> + Send
+where
+    S: Stream<Item = Result<B, E>> + Send + 'static,
+    B: AsRef<[u8]> + Send,
+    E: Send,
+{
+    let checked = async_stream::stream! {
+        let mut guard = Guard::new(limit);
+        let mut body = std::pin::pin!(body);
+        while let Some(chunk) = body.next().await {
+            match chunk.map_err(transport).and_then(|c| guard.check(c.as_ref())) {
+                Ok(bytes) => yield Ok(bytes),
+                Err(err) => {
+                    yield Err(err);
+                    return;
+                }
+            }
+        }
+        if let Err(err) = guard.finish() {
+            yield Err(err);
+        }
+    };
+    let mut source = Box::pin(checked.eventsource());
     async_stream::stream! {
         loop {
             match tokio::time::timeout(idle, source.next()).await {
@@ -246,11 +370,18 @@ pub fn events(
                 }
                 Ok(None) => return,
                 Ok(Some(Ok(event))) => yield Ok(event),
+                Ok(Some(Err(EventStreamError::Transport(err)))) => {
+                    yield Err(err);
+                    return;
+                }
                 Ok(Some(Err(err))) => {
-                    yield Err(match err {
-                        EventStreamError::Transport(err) => network(err),
-                        // A parse error quotes the stream: capped.
-                        other => ProviderError::Network(redact::message(&other.to_string())),
+                    // A parse error quotes the stream: capped and masked.
+                    yield Err(ProviderError::Stream {
+                        code: "invalid_event".into(),
+                        message: format!(
+                            "the provider's stream is not valid SSE: {}",
+                            redact::message(&err.to_string())
+                        ),
                     });
                     return;
                 }
@@ -260,9 +391,162 @@ pub fn events(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
+    use proptest::prelude::*;
     use reqwest::header::HeaderValue;
+
+    /// The events of a body arriving in these chunks.
+    pub(crate) fn events_of(
+        chunks: Vec<Vec<u8>>,
+        limit: usize,
+    ) -> impl Stream<Item = Result<Event, ProviderError>> + Send {
+        let body = futures_util::stream::iter(chunks.into_iter().map(Ok));
+        sse(
+            body,
+            Duration::from_secs(5),
+            limit,
+            |e: std::convert::Infallible| match e {},
+        )
+    }
+
+    /// Everything `sse` makes of these chunks.
+    fn sse_of(chunks: Vec<Vec<u8>>, limit: usize) -> Vec<Result<Event, ProviderError>> {
+        collect(events_of(chunks, limit))
+    }
+
+    /// Every item of a stream, on a runtime of its own.
+    pub(crate) fn collect<T>(stream: impl Stream<Item = T>) -> Vec<T> {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap()
+            .block_on(stream.collect())
+    }
+
+    /// `bytes` cut at these points (taken modulo its length).
+    pub(crate) fn cut(bytes: &[u8], cuts: &[usize]) -> Vec<Vec<u8>> {
+        let mut at: Vec<usize> = cuts.iter().map(|c| c % (bytes.len() + 1)).collect();
+        at.extend([0, bytes.len()]);
+        at.sort_unstable();
+        at.dedup();
+        at.windows(2).map(|w| bytes[w[0]..w[1]].to_vec()).collect()
+    }
+
+    fn code_of(item: &Result<Event, ProviderError>) -> Option<&str> {
+        match item {
+            Err(ProviderError::Stream { code, .. } | ProviderError::Unusable { code, .. }) => {
+                Some(code)
+            }
+            _ => None,
+        }
+    }
+
+    /// Event names and data lines, without line breaks, as (name, data).
+    fn events_strategy() -> impl Strategy<Value = Vec<(String, String)>> {
+        let name = prop::sample::select(vec!["", "message", "content_block_delta", "ping"]);
+        prop::collection::vec((name, "[^\r\n\u{fffd}]{0,40}"), 0..8)
+            .prop_map(|events| events.into_iter().map(|(n, d)| (n.to_owned(), d)).collect())
+    }
+
+    fn body_of(events: &[(String, String)], crlf: bool) -> Vec<u8> {
+        let end = if crlf { "\r\n" } else { "\n" };
+        let mut body = String::new();
+        for (name, data) in events {
+            if !name.is_empty() {
+                body += &format!("event: {name}{end}");
+            }
+            body += &format!("data: {data}{end}{end}");
+        }
+        body.into_bytes()
+    }
+
+    proptest! {
+        #[test]
+        fn events_come_out_whole_however_the_body_is_cut(
+            events in events_strategy(),
+            cuts in prop::collection::vec(any::<usize>(), 0..24),
+            crlf in any::<bool>(),
+        ) {
+            let body = body_of(&events, crlf);
+            let got: Vec<(String, String)> = sse_of(cut(&body, &cuts), MAX_EVENT_BYTES)
+                .into_iter()
+                .map(|e| e.map(|e| (e.event, e.data)))
+                .collect::<Result<_, _>>()
+                .unwrap();
+            let expected: Vec<(String, String)> = events
+                .into_iter()
+                .map(|(n, d)| (if n.is_empty() { "message".into() } else { n }, d))
+                .collect();
+            prop_assert_eq!(got, expected);
+        }
+
+        #[test]
+        fn invalid_utf8_anywhere_fails_the_stream_and_nothing_garbled_comes_out(
+            events in events_strategy(),
+            bad in prop::sample::select(vec![vec![0xff], vec![0x80], vec![0xc3, 0x28], vec![0xed, 0xa0, 0x80], vec![0xe2, 0x82]]),
+            at in any::<usize>(),
+            cuts in prop::collection::vec(any::<usize>(), 0..24),
+        ) {
+            let mut body = body_of(&events, false);
+            let at = at % (body.len() + 1);
+            body.splice(at..at, bad);
+            let got = sse_of(cut(&body, &cuts), MAX_EVENT_BYTES);
+            prop_assert_eq!(got.last().and_then(code_of), Some("invalid_utf8"), "{:?}", got);
+            for event in got.iter().flatten() {
+                prop_assert!(!event.data.contains(char::REPLACEMENT_CHARACTER));
+            }
+        }
+
+        #[test]
+        fn an_event_over_the_limit_fails_the_stream_and_one_at_it_passes(
+            size in 1usize..200,
+            over in any::<bool>(),
+            cuts in prop::collection::vec(any::<usize>(), 0..24),
+        ) {
+            // `data: ` and the text count; the line breaks do not.
+            let limit = "data: ".len() + size;
+            let text = "é".repeat(size / 2) + &"x".repeat(size % 2 + usize::from(over));
+            let body = format!("data: {text}\n\ndata: x\n\n").into_bytes();
+            let got = sse_of(cut(&body, &cuts), limit);
+            if over {
+                prop_assert_eq!(got.len(), 1);
+                prop_assert_eq!(code_of(&got[0]), Some("event_too_large"));
+                prop_assert!(!got[0].as_ref().unwrap_err().is_transient());
+            } else {
+                let data: Vec<&str> = got.iter().map(|e| e.as_ref().unwrap().data.as_str()).collect();
+                prop_assert_eq!(data, [text.as_str(), "x"]);
+            }
+        }
+
+        #[test]
+        fn arbitrary_bytes_end_the_stream_without_panicking(
+            bytes in prop::collection::vec(any::<u8>(), 0..400),
+            cuts in prop::collection::vec(any::<usize>(), 0..24),
+        ) {
+            let got = sse_of(cut(&bytes, &cuts), 64);
+            // Only the last item may be an error.
+            for item in got.iter().rev().skip(1) {
+                prop_assert!(item.is_ok());
+            }
+        }
+    }
+
+    #[test]
+    fn an_endless_line_fails_once_the_limit_is_reached() {
+        // Never ends: a parser that buffered until the line's end would
+        // never return.
+        let body = futures_util::stream::repeat(Ok(vec![b'a'; 1024]));
+        let events = sse(
+            body,
+            Duration::from_secs(5),
+            64 * 1024,
+            |e: std::convert::Infallible| match e {},
+        );
+        let got = collect(events);
+        assert_eq!(got.len(), 1);
+        assert_eq!(code_of(&got[0]), Some("event_too_large"));
+    }
 
     #[test]
     fn huge_or_odd_retry_after_values_are_capped_not_trusted() {

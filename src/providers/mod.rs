@@ -27,6 +27,11 @@ pub enum Content {
         text: String,
         signature: Option<String>,
     },
+    /// Reasoning the provider encrypted (Anthropic's `redacted_thinking`):
+    /// opaque data, never shown as text, sent back unchanged in its place.
+    RedactedReasoning {
+        data: String,
+    },
     /// A tool call as the model made it (`id` is the provider's own).
     ToolUse {
         id: String,
@@ -85,6 +90,7 @@ impl Turn {
                 Content::Text(text) | Content::Reasoning { text, .. } => text.clone(),
                 Content::ToolUse { name, input, .. } => format!("[called {name} with {input}]"),
                 Content::ToolResult { output, .. } => format!("[tool result: {output}]"),
+                Content::RedactedReasoning { .. } => String::new(),
             })
             .collect();
         pieces.join("\n")
@@ -117,8 +123,11 @@ pub struct ModelRequest {
 pub enum ModelEvent {
     Text(String),
     Reasoning(String),
-    /// The signature that closes a thinking block (sent back with it).
+    /// The signature that closes a thinking block (sent back with it); the
+    /// next reasoning is another block.
     ReasoningSignature(String),
+    /// A whole block of encrypted reasoning (its opaque data).
+    RedactedReasoning(String),
     /// A complete tool call (its input assembled from the streamed
     /// fragments).
     ToolCall {
@@ -157,6 +166,11 @@ pub enum ProviderError {
     /// The provider cannot be used at all (configuration).
     #[error("{0}")]
     Unavailable(String),
+    /// A response that cannot be used and that asking again would not mend:
+    /// cut off by the token limit inside a tool call, or a stream line over
+    /// the size limit.
+    #[error("{message}")]
+    Unusable { code: String, message: String },
 }
 
 impl ProviderError {
@@ -175,7 +189,28 @@ impl ProviderError {
         match self {
             ProviderError::Http { status, .. } => retryable_status(*status),
             ProviderError::Stream { .. } | ProviderError::Network(_) => true,
-            ProviderError::Unavailable(_) => false,
+            ProviderError::Unavailable(_) | ProviderError::Unusable { .. } => false,
+        }
+    }
+
+    /// A response that hit the token limit before a tool call's input was
+    /// complete: the same request would be cut off again.
+    pub fn cut_off_in_tool_call() -> ProviderError {
+        ProviderError::Unusable {
+            code: "max_tokens".into(),
+            message: "the model's response hit the token limit (max_tokens) inside a tool \
+                      call, so the call's input is incomplete; raise the agent's max_tokens"
+                .into(),
+        }
+    }
+
+    /// An event whose data is not the JSON the provider's format promises:
+    /// the stream is garbled (a proxy, a cut connection), so the attempt is
+    /// abandoned rather than any of it skipped in silence.
+    pub fn invalid_event(why: impl std::fmt::Display) -> ProviderError {
+        ProviderError::Stream {
+            code: "invalid_event".into(),
+            message: format!("the provider sent an event that is not valid JSON: {why}"),
         }
     }
 

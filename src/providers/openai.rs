@@ -249,8 +249,13 @@ impl Parser {
         if raw.trim() == "[DONE]" {
             return self.end(true);
         }
-        let Ok(chunk) = serde_json::from_str::<Value>(raw) else {
+        // Some servers send an empty `data:` as a keep-alive.
+        if raw.trim().is_empty() {
             return Vec::new();
+        }
+        let chunk = match serde_json::from_str::<Value>(raw) {
+            Ok(chunk) => chunk,
+            Err(err) => return vec![Err(ProviderError::invalid_event(err))],
         };
         if let Some((code, message)) = describe(&chunk) {
             return vec![Err(ProviderError::reported(&code, &message))];
@@ -279,8 +284,14 @@ impl Parser {
             }
             if let Some(reason) = choice["finish_reason"].as_str() {
                 self.stop_reason = Some(reason.to_owned());
-                // The calls are complete once their choice finishes.
-                out.extend(self.flush());
+                // The calls are complete once their choice finishes, unless
+                // the token limit cut one of them off.
+                let calls = self.flush();
+                if reason == "length" && calls.iter().any(Result::is_err) {
+                    out.push(Err(ProviderError::cut_off_in_tool_call()));
+                } else {
+                    out.extend(calls);
+                }
             }
         }
         out
@@ -313,35 +324,43 @@ impl Provider for OpenAi {
             builder = builder.bearer_auth(key);
         }
         let response = http::send(builder, describe, self.0.idle_timeout).await?;
-        let mut events = Box::pin(http::events(response, self.0.idle_timeout));
-        let stream = async_stream::stream! {
-            let mut parser = Parser::default();
-            while let Some(event) = events.next().await {
-                let event = match event {
-                    Ok(event) => event,
-                    Err(err) => {
-                        yield Err(err);
-                        return;
-                    }
-                };
-                for item in parser.feed(&event.data) {
-                    let last = matches!(item, Err(_) | Ok(ModelEvent::Finished { .. }));
-                    yield item;
-                    if last {
-                        return;
-                    }
+        Ok(model_events(http::events(response, self.0.idle_timeout)))
+    }
+}
+
+/// A chat-completions stream's server-sent events as model events, ending
+/// at the first error or when the stream is done.
+fn model_events(
+    events: impl futures_util::Stream<Item = Result<http::Event, ProviderError>> + Send + 'static,
+) -> ModelStream {
+    let mut events = Box::pin(events);
+    let stream = async_stream::stream! {
+        let mut parser = Parser::default();
+        while let Some(event) = events.next().await {
+            let event = match event {
+                Ok(event) => event,
+                Err(err) => {
+                    yield Err(err);
+                    return;
                 }
-            }
-            for item in parser.end(false) {
-                let last = item.is_err();
+            };
+            for item in parser.feed(&event.data) {
+                let last = matches!(item, Err(_) | Ok(ModelEvent::Finished { .. }));
                 yield item;
                 if last {
                     return;
                 }
             }
-        };
-        Ok(stream.boxed())
-    }
+        }
+        for item in parser.end(false) {
+            let last = item.is_err();
+            yield item;
+            if last {
+                return;
+            }
+        }
+    };
+    stream.boxed()
 }
 
 #[cfg(test)]
@@ -591,5 +610,125 @@ mod tests {
                 if code == "invalid_tool_input" && message.contains("c3")),
             "{bad:?}"
         );
+    }
+
+    mod streams {
+        use super::*;
+        use crate::providers::http::MAX_EVENT_BYTES;
+        use crate::providers::http::tests::{collect, cut, events_of};
+        use proptest::prelude::*;
+
+        /// A chat-completions stream: reasoning, text in pieces, one tool
+        /// call whose arguments stream three characters at a time, usage,
+        /// `[DONE]`.
+        fn sse(reasoning: &str, text: &[String], input: &Value) -> Vec<String> {
+            let data = |chunk: Value| format!("data: {chunk}\n\n");
+            let delta = |delta: Value, finish: Value| {
+                data(
+                    json!({ "choices": [{ "index": 0, "delta": delta, "finish_reason": finish }] }),
+                )
+            };
+            let mut events = vec![delta(
+                json!({ "reasoning_content": reasoning }),
+                Value::Null,
+            )];
+            for piece in text {
+                events.push(delta(json!({ "content": piece }), Value::Null));
+            }
+            events.push(delta(
+                json!({ "tool_calls": [{ "index": 0, "id": "c1", "type": "function",
+                                         "function": { "name": "f", "arguments": "" } }] }),
+                Value::Null,
+            ));
+            let json: Vec<char> = input.to_string().chars().collect();
+            for piece in json.chunks(3) {
+                let piece: String = piece.iter().collect();
+                events.push(delta(
+                    json!({ "tool_calls": [{ "index": 0, "function": { "arguments": piece } }] }),
+                    Value::Null,
+                ));
+            }
+            events.push(delta(json!({}), json!("tool_calls")));
+            events.push(data(
+                json!({ "choices": [], "usage": { "prompt_tokens": 3, "completion_tokens": 4 } }),
+            ));
+            events.push("data: [DONE]\n\n".into());
+            events
+        }
+
+        fn model_events_of(body: &[u8], cuts: &[usize]) -> Vec<Item> {
+            collect(model_events(events_of(cut(body, cuts), MAX_EVENT_BYTES)))
+        }
+
+        fn joined(events: &[ModelEvent], reasoning: bool) -> String {
+            events
+                .iter()
+                .filter_map(|e| match e {
+                    ModelEvent::Text(t) if !reasoning => Some(t.as_str()),
+                    ModelEvent::Reasoning(t) if reasoning => Some(t.as_str()),
+                    _ => None,
+                })
+                .collect()
+        }
+
+        proptest! {
+            #[test]
+            fn a_stream_cut_at_any_bytes_gives_the_same_events(
+                reasoning in "\\PC{0,20}",
+                text in prop::collection::vec("\\PC{0,12}", 0..5),
+                value in "\\PC{0,30}",
+                cuts in prop::collection::vec(any::<usize>(), 0..40),
+            ) {
+                let input = json!({ "q": value });
+                let body = sse(&reasoning, &text, &input).concat();
+                let events: Vec<ModelEvent> = model_events_of(body.as_bytes(), &cuts)
+                    .into_iter()
+                    .collect::<Result<_, _>>()
+                    .unwrap();
+                prop_assert_eq!(joined(&events, false), text.concat());
+                prop_assert_eq!(joined(&events, true), reasoning);
+                let call = ModelEvent::ToolCall { id: "c1".into(), name: "f".into(), input };
+                prop_assert!(events.contains(&call));
+                prop_assert_eq!(
+                    events.last(),
+                    Some(&ModelEvent::Finished { stop_reason: "tool_calls".into() })
+                );
+            }
+
+            #[test]
+            fn a_chunk_with_broken_json_fails_the_stream_wherever_it_is(
+                which in any::<prop::sample::Index>(),
+                keep in any::<prop::sample::Index>(),
+                cuts in prop::collection::vec(any::<usize>(), 0..40),
+            ) {
+                let mut events = sse("Hmm.", &["Hi ".into(), "there".into()], &json!({ "q": "é" }));
+                // Not `[DONE]`, which is not JSON.
+                let which = which.index(events.len() - 1);
+                let line = events[which].lines().next().unwrap().to_owned();
+                let data = line.strip_prefix("data: ").unwrap();
+                // JSON text cut short is never valid; an empty `data:` is a
+                // keep-alive, so at least one byte stays.
+                let broken = &data[..data.floor_char_boundary(keep.index(data.len() - 1) + 1)];
+                events[which] = events[which].replace(data, broken);
+                let items = model_events_of(events.concat().as_bytes(), &cuts);
+                prop_assert!(
+                    matches!(items.last(), Some(Err(ProviderError::Stream { code, .. })) if code == "invalid_event"),
+                    "{:?}", items
+                );
+                let finished = items.iter().any(|i| matches!(i, Ok(ModelEvent::Finished { .. })));
+                prop_assert!(!finished);
+            }
+
+            #[test]
+            fn arbitrary_bytes_never_panic(
+                bytes in prop::collection::vec(any::<u8>(), 0..300),
+                cuts in prop::collection::vec(any::<usize>(), 0..16),
+            ) {
+                let items = model_events_of(&bytes, &cuts);
+                // Whatever came, the stream ends: with its end or an error.
+                let ended = items.last().is_some_and(|i| matches!(i, Err(_) | Ok(ModelEvent::Finished { .. })));
+                prop_assert!(ended, "{:?}", items);
+            }
+        }
     }
 }

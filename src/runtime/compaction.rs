@@ -104,6 +104,7 @@ pub async fn summarize(
             ModelEvent::Finished { .. } => break,
             ModelEvent::Reasoning(_)
             | ModelEvent::ReasoningSignature(_)
+            | ModelEvent::RedactedReasoning(_)
             | ModelEvent::ToolCall { .. } => {}
         }
     }

@@ -643,8 +643,6 @@ struct Attempt {
     request_attempt: i32,
     message_id: uuid::Uuid,
     parts: Vec<Streaming>,
-    /// The signature that closes the reasoning part.
-    signature: Option<String>,
     /// What the model said in this step in parts already closed (a step
     /// that asked for tools), for `content_match`.
     said: String,
@@ -666,15 +664,54 @@ struct Streaming {
     part: OpenPart,
     text: String,
     persisted: usize,
+    /// What closed a reasoning block (its signature, or the opaque data of
+    /// redacted reasoning); no more text goes into it.
+    seal: Option<serde_json::Value>,
+    /// How many of the step's tool calls the model made before this part
+    /// began: its place among them in the history sent back.
+    calls_before: usize,
 }
 
 impl Streaming {
-    fn new(part: OpenPart) -> Streaming {
+    fn new(part: OpenPart, calls_before: usize) -> Streaming {
         Streaming {
             part,
             text: String::new(),
             persisted: 0,
+            seal: None,
+            calls_before,
         }
+    }
+
+    /// The data a reasoning part keeps: its seal, and its place among the
+    /// step's tool calls when calls came before it.
+    fn data(&self) -> Option<serde_json::Value> {
+        if self.part.kind != PartKind::Reasoning {
+            return None;
+        }
+        let mut data = self.seal.clone();
+        if self.calls_before > 0 {
+            let data = data.get_or_insert_with(|| json!({}));
+            data["afterCalls"] = json!(self.calls_before);
+        }
+        data
+    }
+}
+
+/// What the model streamed, in its order.
+enum Piece {
+    Delta(PartKind, String),
+    /// Closes the reasoning block being streamed.
+    Signed(String),
+    Redacted(String),
+    Call(AskedCall),
+}
+
+/// Adds a delta to the pieces, joined with the one before when of its kind.
+fn push_delta(pieces: &mut Vec<Piece>, kind: PartKind, chunk: String) {
+    match pieces.last_mut() {
+        Some(Piece::Delta(last, text)) if *last == kind => text.push_str(&chunk),
+        _ => pieces.push(Piece::Delta(kind, chunk)),
     }
 }
 
@@ -684,8 +721,11 @@ impl Attempt {
             base: usage_of(&begun.run),
             request_attempt: begun.run.attempt.max(1),
             message_id: begun.message_id,
-            parts: begun.part.into_iter().map(Streaming::new).collect(),
-            signature: None,
+            parts: begun
+                .part
+                .into_iter()
+                .map(|p| Streaming::new(p, 0))
+                .collect(),
             said: String::new(),
             calls: Vec::new(),
             cursor: begun.cursor,
@@ -700,8 +740,7 @@ impl Attempt {
             base,
             request_attempt: 1,
             message_id: part.message_id,
-            parts: vec![Streaming::new(part)],
-            signature: None,
+            parts: vec![Streaming::new(part, 0)],
             said: String::new(),
             calls: Vec::new(),
             cursor,
@@ -710,20 +749,16 @@ impl Attempt {
         }
     }
 
-    fn part_text(&self, streaming: &Streaming) -> PartText {
-        let data = match (&self.signature, streaming.part.kind) {
-            (Some(signature), PartKind::Reasoning) => Some(json!({ "signature": signature })),
-            _ => None,
-        };
+    fn part_text(streaming: &Streaming) -> PartText {
         PartText {
             part: streaming.part,
             text: streaming.text.clone(),
-            data,
+            data: streaming.data(),
         }
     }
 
     fn texts(&self) -> Vec<PartText> {
-        self.parts.iter().map(|s| self.part_text(s)).collect()
+        self.parts.iter().map(Attempt::part_text).collect()
     }
 
     /// Parts with text not yet persisted.
@@ -731,7 +766,7 @@ impl Attempt {
         self.parts
             .iter()
             .filter(|s| s.text.len() != s.persisted)
-            .map(|s| self.part_text(s))
+            .map(Attempt::part_text)
             .collect()
     }
 
@@ -752,8 +787,33 @@ impl Attempt {
         }
     }
 
-    fn find(&self, kind: PartKind) -> Option<usize> {
-        self.parts.iter().position(|s| s.part.kind == kind)
+    /// The trailing text part while it is still empty: the step's first
+    /// text part, which new reasoning goes before (reasoning is shown
+    /// before the text it led to).
+    fn empty_text(&self) -> Option<usize> {
+        let last = self.parts.len().checked_sub(1)?;
+        let streaming = &self.parts[last];
+        (streaming.part.kind == PartKind::Text && streaming.text.is_empty()).then_some(last)
+    }
+
+    /// The part that content of `kind` goes on in, if any: one part per
+    /// block, in the order the model streamed them.
+    fn target(&self, kind: PartKind) -> Option<usize> {
+        if kind == PartKind::Text && self.empty_text().is_some() {
+            return self.empty_text();
+        }
+        let current = self
+            .empty_text()
+            .unwrap_or(self.parts.len())
+            .checked_sub(1)?;
+        let streaming = &self.parts[current];
+        (streaming.part.kind == kind && streaming.seal.is_none()).then_some(current)
+    }
+
+    /// Closes the reasoning block being streamed (one with no text yet
+    /// when its signature comes alone).
+    fn seal(&mut self, index: usize, seal: serde_json::Value) {
+        self.parts[index].seal = Some(seal);
     }
 
     /// The run's usage with this attempt added.
@@ -820,22 +880,28 @@ impl Stream<'_> {
                             None => break,
                         }
                     }
-                    let mut text = String::new();
-                    let mut reasoning = String::new();
+                    let mut pieces = Vec::new();
                     let mut outcome = None;
                     for item in items {
                         match item {
-                            Some(Ok(ModelEvent::Text(chunk))) => text.push_str(&chunk),
-                            Some(Ok(ModelEvent::Reasoning(chunk))) => reasoning.push_str(&chunk),
+                            Some(Ok(ModelEvent::Text(chunk))) => {
+                                push_delta(&mut pieces, PartKind::Text, chunk);
+                            }
+                            Some(Ok(ModelEvent::Reasoning(chunk))) => {
+                                push_delta(&mut pieces, PartKind::Reasoning, chunk);
+                            }
                             Some(Ok(ModelEvent::Usage { input_tokens, output_tokens })) => {
                                 attempt.input_tokens = input_tokens;
                                 attempt.output_tokens = output_tokens;
                             }
                             Some(Ok(ModelEvent::ReasoningSignature(signature))) => {
-                                attempt.signature = Some(signature);
+                                pieces.push(Piece::Signed(signature));
+                            }
+                            Some(Ok(ModelEvent::RedactedReasoning(data))) => {
+                                pieces.push(Piece::Redacted(data));
                             }
                             Some(Ok(ModelEvent::ToolCall { id, name, input })) => {
-                                attempt.calls.push(AskedCall { id, name, input });
+                                pieces.push(Piece::Call(AskedCall { id, name, input }));
                             }
                             Some(Ok(ModelEvent::Finished { .. })) | None => {
                                 outcome = Some(Inference::Done);
@@ -848,10 +914,23 @@ impl Stream<'_> {
                         }
                     }
                     let mut grew = false;
-                    for (kind, delta) in [(PartKind::Reasoning, reasoning), (PartKind::Text, text)] {
-                        if !delta.is_empty() {
-                            self.append(attempt, kind, &delta).await?;
-                            grew = true;
+                    for piece in pieces {
+                        match piece {
+                            Piece::Delta(kind, delta) => {
+                                if !delta.is_empty() {
+                                    self.append(attempt, kind, &delta).await?;
+                                    grew = true;
+                                }
+                            }
+                            Piece::Signed(signature) => {
+                                let index = self.part_for(attempt, PartKind::Reasoning).await?;
+                                attempt.seal(index, json!({ "signature": signature }));
+                            }
+                            Piece::Redacted(data) => {
+                                let index = self.open(attempt, PartKind::Reasoning).await?;
+                                attempt.seal(index, json!({ "redactedData": data }));
+                            }
+                            Piece::Call(call) => attempt.calls.push(call),
                         }
                     }
                     if grew {
@@ -865,45 +944,50 @@ impl Stream<'_> {
         }
     }
 
-    /// Adds streamed text to the attempt's part of `kind`, opening that part
-    /// first when there is none (reasoning before any text is shown before
-    /// the text), and sends the live delta.
+    /// The part that content of `kind` goes into, opened when there is none.
+    async fn part_for(&self, attempt: &mut Attempt, kind: PartKind) -> store::Result<usize> {
+        match attempt.target(kind) {
+            Some(index) => Ok(index),
+            None => self.open(attempt, kind).await,
+        }
+    }
+
+    /// Opens a part of `kind` after the others, or before the step's text
+    /// part while that is empty.
+    async fn open(&self, attempt: &mut Attempt, kind: PartKind) -> store::Result<usize> {
+        let before = attempt.empty_text();
+        let (opened, moved, cursor) = runs::open_part(
+            self.store,
+            self.lease,
+            attempt.message_id,
+            kind,
+            before.map(|i| &attempt.parts[i].part),
+        )
+        .await?;
+        attempt.cursor = cursor;
+        let streaming = Streaming::new(opened, attempt.calls.len());
+        Ok(match (moved, before) {
+            (Some(moved), Some(i)) => {
+                attempt.parts[i].part = moved;
+                attempt.parts.insert(i, streaming);
+                i
+            }
+            _ => {
+                attempt.parts.push(streaming);
+                attempt.parts.len() - 1
+            }
+        })
+    }
+
+    /// Adds streamed text to the attempt's part for `kind` and sends the
+    /// live delta.
     async fn append(
         &self,
         attempt: &mut Attempt,
         kind: PartKind,
         delta: &str,
     ) -> store::Result<()> {
-        let index = match attempt.find(kind) {
-            Some(index) => index,
-            None => {
-                let text_part = attempt.find(PartKind::Text);
-                let before = text_part
-                    .filter(|i| attempt.parts[*i].text.is_empty())
-                    .map(|i| attempt.parts[i].part);
-                let (opened, moved, cursor) = runs::open_part(
-                    self.store,
-                    self.lease,
-                    attempt.message_id,
-                    kind,
-                    before.as_ref(),
-                )
-                .await?;
-                attempt.cursor = cursor;
-                let streaming = Streaming::new(opened);
-                match (moved, text_part) {
-                    (Some(moved), Some(i)) => {
-                        attempt.parts[i].part = moved;
-                        attempt.parts.insert(i, streaming);
-                        i
-                    }
-                    _ => {
-                        attempt.parts.push(streaming);
-                        attempt.parts.len() - 1
-                    }
-                }
-            }
-        };
+        let index = self.part_for(attempt, kind).await?;
         let streaming = &mut attempt.parts[index];
         let event = Event {
             conversation_id: self.lease.conversation_id,
@@ -1054,12 +1138,14 @@ fn provider_error(err: &ProviderError) -> RunError {
             http_status: Some(i32::from(*status)),
             retryable,
         },
-        ProviderError::Stream { code, message } => RunError {
-            code: code.clone(),
-            message: message.clone(),
-            http_status: None,
-            retryable,
-        },
+        ProviderError::Stream { code, message } | ProviderError::Unusable { code, message } => {
+            RunError {
+                code: code.clone(),
+                message: message.clone(),
+                http_status: None,
+                retryable,
+            }
+        }
         other => RunError {
             code: EndCause::Error.as_str().to_owned(),
             message: other.to_string(),

@@ -1,6 +1,6 @@
 //! The history sent to the model, rebuilt from committed facts only.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use sea_orm::{ColumnTrait, EntityTrait, QueryFilter, QueryOrder};
 use uuid::Uuid;
@@ -130,8 +130,8 @@ fn texts(parts: &[part::Model]) -> Result<String> {
     Ok(text)
 }
 
-/// One step of a reply: what the model said (signed reasoning, text, tool
-/// calls, in order) and the one result of each call, followed by the
+/// One step of a reply: what the model said (signed and redacted
+/// reasoning, text, tool calls, in the order the model said them) and the one result of each call, followed by the
 /// answers to questions the step asked.
 fn step_turns(
     parts: Vec<part::Model>,
@@ -147,35 +147,52 @@ fn step_turns(
         role: MessageRole::User,
         content: Vec::new(),
     };
+    // The step's calls in batch order: reasoning the model streamed after
+    // some of them goes back after them.
+    let mut step_calls: VecDeque<tool_call::Model> = parts
+        .iter()
+        .filter_map(|part| calls.remove(&part.id))
+        .collect();
+    step_calls.make_contiguous().sort_by_key(|call| call.idx);
+    let call = |said: &mut Turn, results: &mut Turn, call: tool_call::Model| {
+        let succeeded = call.outcome.as_deref() == Some(ToolOutcome::Succeeded.as_str());
+        said.content.push(Content::ToolUse {
+            id: call.provider_call_id.clone(),
+            name: call.name.clone(),
+            input: call.model_input.clone(),
+        });
+        results.content.push(Content::ToolResult {
+            tool_use_id: call.provider_call_id,
+            output: result_text(call.output.as_ref()),
+            is_error: !succeeded,
+        });
+    };
     for part in parts {
         let kind: PartKind = parse_stored(&part.kind, "part kind")?;
         let text = part.text.clone().unwrap_or_default();
+        let data = |key: &str| part.data.as_ref().and_then(|d| d.get(key));
         match kind {
             PartKind::Text if !text.is_empty() => said.content.push(Content::Text(text)),
-            PartKind::Reasoning if !text.is_empty() => {
-                let signature = part
-                    .data
-                    .as_ref()
-                    .and_then(|d| d.get("signature"))
+            PartKind::Reasoning => {
+                let after = data("afterCalls").and_then(|n| n.as_i64()).unwrap_or(0);
+                while let Some(earlier) = step_calls.pop_front_if(|c| i64::from(c.idx) < after) {
+                    call(&mut said, &mut results, earlier);
+                }
+                let signature = data("signature")
                     .and_then(|s| s.as_str())
                     .map(str::to_owned);
-                said.content.push(Content::Reasoning { text, signature });
+                if let Some(data) = data("redactedData").and_then(|d| d.as_str()) {
+                    said.content.push(Content::RedactedReasoning {
+                        data: data.to_owned(),
+                    });
+                } else if !text.is_empty() || signature.is_some() {
+                    said.content.push(Content::Reasoning { text, signature });
+                }
             }
             PartKind::ToolCall => {
-                let Some(call) = calls.remove(&part.id) else {
-                    continue;
-                };
-                let succeeded = call.outcome.as_deref() == Some(ToolOutcome::Succeeded.as_str());
-                said.content.push(Content::ToolUse {
-                    id: call.provider_call_id.clone(),
-                    name: call.name.clone(),
-                    input: call.model_input.clone(),
-                });
-                results.content.push(Content::ToolResult {
-                    tool_use_id: call.provider_call_id,
-                    output: result_text(call.output.as_ref()),
-                    is_error: !succeeded,
-                });
+                if let Some(next) = step_calls.pop_front_if(|c| c.part_id == part.id) {
+                    call(&mut said, &mut results, next);
+                }
             }
             PartKind::Question => {
                 let Some(question) = asked.remove(&part.id) else {

@@ -206,3 +206,108 @@ async fn attempt(request: reqwest::RequestBuilder, max_bytes: usize) -> Result<O
         cut,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// What `attempt` makes of an answer with this status and body, from a
+    /// server on loopback that sends exactly these bytes.
+    fn answered(status: u16, body: Vec<u8>) -> Result<Effect, Value> {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async move {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let url = format!("http://{}/tool", listener.local_addr().unwrap());
+            tokio::spawn(async move {
+                let (mut socket, _) = listener.accept().await.unwrap();
+                let mut request = Vec::new();
+                let mut buffer = [0u8; 1024];
+                while !request.windows(4).any(|w| w == b"\r\n\r\n") {
+                    let read = socket.read(&mut buffer).await.unwrap();
+                    if read == 0 {
+                        return;
+                    }
+                    request.extend_from_slice(&buffer[..read]);
+                }
+                let head = format!(
+                    "HTTP/1.1 {status} X\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+                    body.len()
+                );
+                socket.write_all(head.as_bytes()).await.unwrap();
+                socket.write_all(&body).await.unwrap();
+            });
+            http::install_tls();
+            let request = reqwest::Client::new().post(url);
+            attempt(request).await.map_err(|t| t.error)
+        })
+    }
+
+    fn json_value() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::from),
+            any::<i64>().prop_map(Value::from),
+            // Quarters print and parse back exactly.
+            any::<i32>().prop_map(|n| Value::from(f64::from(n) / 4.0)),
+            "\\PC{0,12}".prop_map(Value::from),
+        ];
+        leaf.prop_recursive(3, 24, 4, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..4).prop_map(Value::from),
+                prop::collection::btree_map("\\PC{0,6}", inner, 0..4)
+                    .prop_map(|m| Value::Object(m.into_iter().collect())),
+            ]
+        })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(48))]
+
+        #[test]
+        fn a_json_body_is_the_output_as_it_was_sent(value in json_value()) {
+            let body = serde_json::to_vec(&value).unwrap();
+            match answered(200, body) {
+                Ok(Effect::Succeeded(output)) => prop_assert_eq!(output, value),
+                other => prop_assert!(false, "{:?}", other),
+            }
+        }
+
+        #[test]
+        fn any_other_body_is_kept_as_text(body in prop::collection::vec(any::<u8>(), 0..300)) {
+            let expected = serde_json::from_slice::<Value>(&body)
+                .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&body).into_owned()));
+            match answered(200, body) {
+                Ok(Effect::Succeeded(output)) => prop_assert_eq!(output, expected),
+                other => prop_assert!(false, "{:?}", other),
+            }
+        }
+
+        #[test]
+        fn a_refusal_carries_its_status_and_body(
+            status in prop::sample::select(vec![400u16, 404, 409, 422]),
+            text in "\\PC{0,40}",
+        ) {
+            match answered(status, text.clone().into_bytes()) {
+                Ok(Effect::Failed(error)) => {
+                    prop_assert_eq!(&error["status"], status);
+                    let expected = serde_json::from_str::<Value>(&text).unwrap_or(Value::String(text));
+                    prop_assert_eq!(&error["body"], &expected);
+                }
+                other => prop_assert!(false, "{:?}", other),
+            }
+        }
+
+        #[test]
+        fn a_server_error_is_transient_with_its_status(status in 500u16..600) {
+            match answered(status, b"{\"busy\": true}".to_vec()) {
+                Err(error) => prop_assert_eq!(&error["status"], status),
+                other => prop_assert!(false, "{:?}", other),
+            }
+        }
+    }
+}

@@ -58,6 +58,9 @@ struct Shared {
     wire: Wire,
     script: Mutex<VecDeque<Reply>>,
     requests: Mutex<Vec<Value>>,
+    /// The thinking, redacted thinking and tool_use blocks of each Messages
+    /// API reply that called tools, in the order they were sent.
+    issued: Mutex<Vec<Vec<Value>>>,
     /// Streams whose client went away before the stream's end.
     abandoned: AtomicUsize,
 }
@@ -73,6 +76,7 @@ impl FakeProvider {
             wire,
             script: Mutex::default(),
             requests: Mutex::default(),
+            issued: Mutex::default(),
             abandoned: AtomicUsize::new(0),
         });
         let app = Router::new()
@@ -144,7 +148,10 @@ async fn anthropic(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: 
             "invalid JSON",
         );
     };
-    if let Err(message) = check_anthropic(&request) {
+    let issued = shared.issued.lock().unwrap().clone();
+    if let Err(message) =
+        check_anthropic(&request).and_then(|()| check_unchanged(&request, &issued))
+    {
         return refuse(
             wire,
             StatusCode::BAD_REQUEST,
@@ -347,6 +354,90 @@ fn check_anthropic(request: &Value) -> Result<(), String> {
     Ok(())
 }
 
+/// A block as `check_unchanged` compares it: thinking with its text and
+/// signature, redacted thinking with its data, a tool call by its id.
+fn kept_block(block: &Value) -> Option<Value> {
+    match block["type"].as_str()? {
+        "thinking" => Some(
+            json!({ "type": "thinking", "thinking": block["thinking"], "signature": block["signature"] }),
+        ),
+        "redacted_thinking" => Some(json!({ "type": "redacted_thinking", "data": block["data"] })),
+        "tool_use" => Some(json!({ "type": "tool_use", "id": block["id"] })),
+        _ => None,
+    }
+}
+
+/// As the real API: the latest assistant message that called tools must
+/// carry the thinking and redacted thinking of the reply that made those
+/// calls as they came, each block whole (not merged), in its place among
+/// the calls, none left out.
+fn check_unchanged(request: &Value, issued: &[Vec<Value>]) -> Result<(), String> {
+    if request["thinking"]["type"] != "enabled" {
+        return Ok(());
+    }
+    let messages = request["messages"].as_array().into_iter().flatten();
+    let Some((i, latest)) = messages
+        .enumerate()
+        .filter(|(_, m)| m["role"] == "assistant" && !tool_use_ids(m).is_empty())
+        .last()
+    else {
+        return Ok(());
+    };
+    let ids = tool_use_ids(latest);
+    let Some(original) = issued.iter().find(|blocks| {
+        blocks
+            .iter()
+            .any(|b| b["type"] == "tool_use" && b["id"] == ids[0].as_str())
+    }) else {
+        return Ok(());
+    };
+    let sent: Vec<Value> = latest["content"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(kept_block)
+        .collect();
+    if &sent != original {
+        return Err(format!(
+            "messages.{i}.content: `thinking` or `redacted_thinking` blocks in the latest assistant message cannot be modified. These blocks must remain as they were in the original response."
+        ));
+    }
+    Ok(())
+}
+
+/// The kept blocks (`kept_block`) of a Messages API stream, rebuilt from
+/// its events.
+fn blocks_of_sse(sse: &str) -> Vec<Value> {
+    let mut blocks: Vec<Value> = Vec::new();
+    for event in sse.split("\n\n") {
+        let Some(data) = event.lines().find_map(|l| l.strip_prefix("data: ")) else {
+            continue;
+        };
+        let Ok(data) = serde_json::from_str::<Value>(data) else {
+            continue;
+        };
+        match data["type"].as_str() {
+            Some("content_block_start") => blocks.push(data["content_block"].clone()),
+            Some("content_block_delta") => {
+                let (Some(block), delta) = (blocks.last_mut(), &data["delta"]) else {
+                    continue;
+                };
+                match delta["type"].as_str() {
+                    Some("thinking_delta") => {
+                        let text = block["thinking"].as_str().unwrap_or("").to_owned()
+                            + delta["thinking"].as_str().unwrap_or("");
+                        block["thinking"] = json!(text);
+                    }
+                    Some("signature_delta") => block["signature"] = delta["signature"].clone(),
+                    _ => {}
+                }
+            }
+            _ => {}
+        }
+    }
+    blocks.iter().filter_map(kept_block).collect()
+}
+
 async fn openai(State(shared): State<Arc<Shared>>, headers: HeaderMap, body: Bytes) -> Response {
     let wire = Wire::OpenAi;
     let expected = format!("Bearer {KEY}");
@@ -501,6 +592,12 @@ fn check_openai(request: &Value) -> Result<(), (String, String)> {
 fn answer(shared: &Arc<Shared>, request: Value) -> Response {
     shared.requests.lock().unwrap().push(request);
     let reply = shared.script.lock().unwrap().pop_front();
+    if let (Wire::Anthropic, Some(Reply::Stream { sse, .. })) = (shared.wire, &reply) {
+        let blocks = blocks_of_sse(sse);
+        if blocks.iter().any(|b| b["type"] == "tool_use") {
+            shared.issued.lock().unwrap().push(blocks);
+        }
+    }
     let reply = reply.unwrap_or_else(|| Reply::Stream {
         sse: match shared.wire {
             Wire::Anthropic => anthropic_sse(&["Hello from the fake."], 10, 5),
@@ -643,6 +740,8 @@ pub enum AnthropicBlock {
     Thinking(Vec<String>),
     /// A tool call, its input in `awkward_fragments` (`input_json_delta`s).
     ToolUse(FakeToolCall),
+    /// Encrypted thinking: this opaque data, whole at the block's start.
+    Redacted(String),
 }
 
 impl AnthropicBlock {
@@ -696,6 +795,10 @@ pub fn anthropic_sse_blocks(
                 );
                 (json!({"type": "thinking", "thinking": ""}), deltas)
             }
+            AnthropicBlock::Redacted(data) => (
+                json!({"type": "redacted_thinking", "data": data}),
+                Vec::new(),
+            ),
             AnthropicBlock::ToolUse(call) => (
                 json!({"type": "tool_use", "id": call.id, "name": call.name, "input": {}}),
                 awkward_fragments(&call.input_json)
@@ -821,6 +924,15 @@ pub fn openai_sse(pieces: &[&str], prompt_tokens: i64, completion_tokens: i64) -
 /// interleaved (so only `index` tells them apart); finish reason
 /// `tool_calls`, usage 10 in, 5 out, `[DONE]`.
 pub fn openai_sse_tool_calls(text: &[&str], calls: &[FakeToolCall]) -> String {
+    openai_sse_tool_calls_ending(text, calls, "tool_calls")
+}
+
+/// Like `openai_sse_tool_calls`, finishing with `finish_reason`.
+pub fn openai_sse_tool_calls_ending(
+    text: &[&str],
+    calls: &[FakeToolCall],
+    finish_reason: &str,
+) -> String {
     let content = if text.is_empty() {
         Value::Null
     } else {
@@ -855,6 +967,6 @@ pub fn openai_sse_tool_calls(text: &[&str], calls: &[FakeToolCall]) -> String {
             }
         }
     }
-    sse += &openai_chunk(json!({}), json!("tool_calls"));
+    sse += &openai_chunk(json!({}), json!(finish_reason));
     sse + &openai_end(10, 5)
 }

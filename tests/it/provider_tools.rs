@@ -7,8 +7,9 @@ use serde_json::{Value, json};
 
 use crate::downstream::Downstream;
 use crate::fakes::{
-    FakeProvider, FakeToolCall, KEY, Reply, Wire, anthropic_sse, anthropic_sse_thinking_tool_calls,
-    fake_signature, openai_sse, openai_sse_tool_calls,
+    AnthropicBlock, FakeProvider, FakeToolCall, KEY, Reply, Wire, anthropic_sse,
+    anthropic_sse_blocks, anthropic_sse_thinking_tool_calls, fake_signature, openai_sse,
+    openai_sse_tool_calls, openai_sse_tool_calls_ending,
 };
 use crate::support::{Server, ServerOptions};
 use crate::tools::{tool_calls, tool_sections};
@@ -246,4 +247,108 @@ async fn calls_cut_off_by_a_cancel_still_have_their_results_in_the_next_runs_his
             .contains("not started")
     );
     assert_eq!(answer[2]["text"], "What happened?");
+}
+
+#[tokio::test]
+async fn interleaved_and_redacted_thinking_go_back_block_by_block_in_their_places() {
+    let fake = FakeProvider::start(Wire::Anthropic).await;
+    let first = FakeToolCall::new("call_1", "effect", json!({ "text": "a" }));
+    let second = FakeToolCall::new("call_2", "effect", json!({ "text": "b" }));
+    let blocks = [
+        AnthropicBlock::thinking(&["First ", "lookup."]),
+        AnthropicBlock::ToolUse(first),
+        AnthropicBlock::thinking(&["Then the ", "second."]),
+        AnthropicBlock::Redacted("EncRyPtEd/opaque+data==".into()),
+        AnthropicBlock::text(&["Both."]),
+        AnthropicBlock::ToolUse(second),
+    ];
+    fake.script([
+        Reply::sse(anthropic_sse_blocks(&blocks, "tool_use", 10, 5), 7),
+        Reply::sse(anthropic_sse(&["All done."], 10, 5), 64),
+    ]);
+    let downstream = Downstream::start().await;
+    let keys = "thinking_budget_tokens = 1024\nmax_tokens = 2048";
+    let server = server(&fake, "anthropic", &downstream, keys, "").await;
+    let token = server.token("acme", "ada");
+    let conversation = server.create_conversation(&token).await;
+    let (_, run) = server.send(&token, &conversation, "Go.").await;
+    let ended = server.wait_until_ended(&token, &run).await;
+    // The fake refuses merged, re-signed, reordered or missing blocks.
+    assert_eq!(
+        ended["status"],
+        "COMPLETED",
+        "{ended} {:?}",
+        fake.requests()
+    );
+    let requests = fake.requests();
+    assert_eq!(requests.len(), 2);
+    let said = &requests[1]["messages"][1]["content"];
+    let thinking = |text: &str| json!({ "type": "thinking", "thinking": text, "signature": fake_signature(text) });
+    let call = |id: &str, text: &str| json!({ "type": "tool_use", "id": id, "name": "effect", "input": { "text": text } });
+    assert_eq!(
+        said,
+        &json!([
+            thinking("First lookup."),
+            call("call_1", "a"),
+            thinking("Then the second."),
+            { "type": "redacted_thinking", "data": "EncRyPtEd/opaque+data==" },
+            { "type": "text", "text": "Both." },
+            call("call_2", "b"),
+        ])
+    );
+
+    // One reasoning part per block; the redacted one has no text for people
+    // and keeps its data.
+    let parts = server
+        .parts_of(&token, &conversation, "kind text data")
+        .await;
+    let reasoning: Vec<(&str, &Value)> = parts
+        .iter()
+        .filter(|p| p["kind"] == "REASONING")
+        .map(|p| (p["text"].as_str().unwrap(), &p["data"]))
+        .collect();
+    assert_eq!(reasoning.len(), 3, "{parts:?}");
+    assert_eq!(reasoning[0].0, "First lookup.");
+    assert_eq!(reasoning[0].1["signature"], fake_signature("First lookup."));
+    assert_eq!(reasoning[1].0, "Then the second.");
+    assert_eq!(reasoning[1].1["afterCalls"], 1);
+    assert_eq!(reasoning[2].0, "");
+    assert_eq!(reasoning[2].1["redactedData"], "EncRyPtEd/opaque+data==");
+}
+
+/// A run whose one reply ends with the token limit inside a tool call's
+/// input: it fails at once with `max_tokens`, asking the model only once.
+async fn cut_off_in_a_call(wire: Wire, provider: &str, sse: String) {
+    let fake = FakeProvider::start(wire).await;
+    fake.script([Reply::sse(sse, 9)]);
+    let downstream = Downstream::start().await;
+    let server = server(&fake, provider, &downstream, "", "").await;
+    let (_, _, ended) = run_once(&server, "Go.").await;
+    assert_eq!(ended["status"], "FAILED", "{ended}");
+    assert_eq!(ended["error"]["code"], "max_tokens", "{ended}");
+    let message = ended["error"]["message"].as_str().unwrap();
+    assert!(
+        message.contains("token limit") && message.contains("tool call"),
+        "{message}"
+    );
+    assert_eq!(fake.requests().len(), 1, "retried: {:?}", fake.requests());
+    assert!(downstream.requests().is_empty());
+}
+
+#[tokio::test]
+async fn anthropic_cut_off_by_max_tokens_inside_a_tool_call_fails_without_retrying() {
+    let cut = FakeToolCall::raw("call_1", "effect", "{\"text\": \"an unfinish");
+    let blocks = [
+        AnthropicBlock::text(&["Calling."]),
+        AnthropicBlock::ToolUse(cut),
+    ];
+    let sse = anthropic_sse_blocks(&blocks, "max_tokens", 10, 321);
+    cut_off_in_a_call(Wire::Anthropic, "anthropic", sse).await;
+}
+
+#[tokio::test]
+async fn openai_cut_off_by_length_inside_a_tool_call_fails_without_retrying() {
+    let cut = FakeToolCall::raw("call_1", "effect", "{\"text\": \"an unfinish");
+    let sse = openai_sse_tool_calls_ending(&[], &[cut], "length");
+    cut_off_in_a_call(Wire::OpenAi, "openai", sse).await;
 }

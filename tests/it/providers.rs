@@ -1030,3 +1030,122 @@ async fn openai_follow_ups_with_tool_messages_are_accepted_and_broken_ones_refus
     );
     assert_eq!(fake.requests().len(), 1, "refused requests get no reply");
 }
+
+#[tokio::test]
+async fn anthropic_refuses_thinking_blocks_merged_left_out_or_changed_when_the_calls_come_back() {
+    let fake = FakeProvider::start(Wire::Anthropic).await;
+    let client = Anthropic(endpoint(&fake));
+    let call = |id: &str| FakeToolCall::new(id, "lookup", json!({ "query": id }));
+    fake.script([Reply::sse(
+        anthropic_sse_blocks(
+            &[
+                AnthropicBlock::thinking(&["One."]),
+                AnthropicBlock::Redacted("opaque-1".into()),
+                AnthropicBlock::ToolUse(call("toolu_a")),
+                AnthropicBlock::thinking(&["Two."]),
+                AnthropicBlock::ToolUse(call("toolu_b")),
+            ],
+            "tool_use",
+            10,
+            5,
+        ),
+        13,
+    )]);
+    let events = run(
+        &client,
+        model_request(vec![Turn::text(MessageRole::User, "go")], Some(1024)),
+    )
+    .await
+    .unwrap();
+    assert!(events.contains(&ModelEvent::RedactedReasoning("opaque-1".into())));
+    let redacted = |data: &str| Content::RedactedReasoning { data: data.into() };
+    let answered = || vec![tool_result("toolu_a", false), tool_result("toolu_b", false)];
+    let send = |said: Vec<Content>| {
+        run(
+            &client,
+            model_request(history(said, answered()), Some(1024)),
+        )
+    };
+
+    let faithful = vec![
+        signed("One."),
+        redacted("opaque-1"),
+        tool_use("toolu_a"),
+        signed("Two."),
+        tool_use("toolu_b"),
+    ];
+    assert_eq!(
+        text_of(&send(faithful).await.unwrap()),
+        "Hello from the fake."
+    );
+    let sent = &fake.requests()[1]["messages"][1]["content"];
+    assert_eq!(
+        sent[1],
+        json!({ "type": "redacted_thinking", "data": "opaque-1" })
+    );
+
+    let modified = "messages.1.content: `thinking` or `redacted_thinking` blocks in the latest assistant message cannot be modified. These blocks must remain as they were in the original response.";
+    // Both thinking blocks as one, signed anew or with the last signature.
+    let merged = vec![
+        signed("One.Two."),
+        redacted("opaque-1"),
+        tool_use("toolu_a"),
+        tool_use("toolu_b"),
+    ];
+    assert_eq!(refusal(send(merged).await), modified);
+    let last_signature = vec![
+        Content::Reasoning {
+            text: "One.Two.".into(),
+            signature: Some(fake_signature("Two.")),
+        },
+        redacted("opaque-1"),
+        tool_use("toolu_a"),
+        tool_use("toolu_b"),
+    ];
+    assert_eq!(
+        refusal(send(last_signature).await),
+        "messages.1.content.0: Invalid `signature` in `thinking` block"
+    );
+    // The redacted block left out, or changed.
+    let dropped = vec![
+        signed("One."),
+        tool_use("toolu_a"),
+        signed("Two."),
+        tool_use("toolu_b"),
+    ];
+    assert_eq!(refusal(send(dropped).await), modified);
+    let changed = vec![
+        signed("One."),
+        redacted("opaque-2"),
+        tool_use("toolu_a"),
+        signed("Two."),
+        tool_use("toolu_b"),
+    ];
+    assert_eq!(refusal(send(changed).await), modified);
+    // The second block moved before the first call.
+    let moved = vec![
+        signed("One."),
+        redacted("opaque-1"),
+        signed("Two."),
+        tool_use("toolu_a"),
+        tool_use("toolu_b"),
+    ];
+    assert_eq!(refusal(send(moved).await), modified);
+    assert_eq!(fake.requests().len(), 2, "refused requests get no reply");
+}
+
+#[tokio::test]
+async fn an_event_over_four_mebibytes_fails_the_run_without_retrying() {
+    let fake = FakeProvider::start(Wire::OpenAi).await;
+    // One `data:` line longer than the limit, and no line break after it.
+    let endless = format!("data: {{\"pad\": \"{}", "x".repeat(4 * 1024 * 1024));
+    fake.script([stream(endless, 64 * 1024)]);
+    let server = server_for(&fake, "openai").await;
+    let token = server.token("acme", "ada");
+    let conversation = server.create_conversation(&token).await;
+    let (_, run) = server.send(&token, &conversation, "hi").await;
+    let ended = server.wait_until_ended(&token, &run).await;
+    assert_eq!(ended["status"], "FAILED", "{ended}");
+    assert_eq!(ended["error"]["code"], "event_too_large", "{ended}");
+    assert_eq!(fake.requests().len(), 1, "not retried");
+}
