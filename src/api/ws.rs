@@ -16,7 +16,6 @@ use tokio_stream::wrappers::ReceiverStream;
 
 use super::AppState;
 use super::auth::Viewer;
-use crate::domain::time::now_millis;
 
 /// Client frames buffered towards the protocol engine.
 const INBOUND_BUFFER: usize = 16;
@@ -34,7 +33,7 @@ pub async fn serve(mut socket: WebSocket, protocol: WebSocketProtocols, app: App
         protocol,
     )
     .on_connection_init(move |payload| async move {
-        let viewer = bearer_in(&payload).and_then(|value| auth.verify_header(Some(value)).ok());
+        let viewer = auth.verify_header(bearer_in(&payload)).await.ok();
         let _ = auth_tx.send(viewer.clone());
         match viewer {
             Some(viewer) => {
@@ -96,8 +95,7 @@ pub async fn serve(mut socket: WebSocket, protocol: WebSocketProtocols, app: App
                 match result {
                     Ok(Some(viewer)) => {
                         authenticated = true;
-                        let left_ms = (viewer.expires_at * 1000 - now_millis()).max(0) as u64;
-                        expiry.as_mut().reset(Instant::now() + Duration::from_millis(left_ms));
+                        expiry.as_mut().reset(Instant::now() + viewer.expires_in());
                     }
                     _ => break Some(forbidden("forbidden")),
                 }

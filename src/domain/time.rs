@@ -10,6 +10,14 @@ pub fn now_millis() -> Millis {
     Utc::now().timestamp_millis()
 }
 
+/// A duration in seconds (from configuration or input) as milliseconds,
+/// saturating instead of overflowing.
+pub fn secs_to_millis(secs: u64) -> Millis {
+    Millis::try_from(secs)
+        .unwrap_or(Millis::MAX)
+        .saturating_mul(1000)
+}
+
 /// `2026-11-29T13:48:34.123Z`; `None` for a value outside chrono's range.
 pub fn to_rfc3339(millis: Millis) -> Option<String> {
     DateTime::<Utc>::from_timestamp_millis(millis)
