@@ -74,8 +74,10 @@ impl Running {
 }
 
 pub async fn start(config: Config, role: Role) -> anyhow::Result<Running> {
-    let store = open_store(&config).await?;
+    // Before the database: a deployment without a usable secret stops at
+    // once, with the variable to set.
     let auth = authenticator(&config)?;
+    let store = open_store(&config).await?;
     let stopping = CancellationToken::new();
     if config.database_url.starts_with("postgres") {
         bus::pg::spawn(

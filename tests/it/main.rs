@@ -8,6 +8,7 @@ mod conversations;
 mod crash;
 mod downstream;
 mod fakes;
+mod identity_providers;
 mod input_limits;
 mod instances;
 mod interactions;
