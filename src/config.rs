@@ -320,6 +320,7 @@ impl AuthConfig {
             self.jwks_refresh_secs,
             MAX_DURATION_SECS,
         )?;
+        at_least("auth.jwks_min_refetch_secs", self.jwks_min_refetch_secs, 1)?;
         at_most(
             "auth.jwks_min_refetch_secs",
             self.jwks_min_refetch_secs,
@@ -1333,6 +1334,10 @@ mod tests {
             (
                 "[auth]\njwks_timeout_secs = 100000\n",
                 "auth.jwks_timeout_secs",
+            ),
+            (
+                "[auth]\njwks_min_refetch_secs = 0\n",
+                "auth.jwks_min_refetch_secs",
             ),
         ] {
             let err = message(load_with(&format!("{AGENT}{toml}"), &[]));

@@ -5,7 +5,7 @@
 //! rotated key is picked up; nothing else gets in, on HTTP (401) or
 //! WebSocket (4403).
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -130,28 +130,35 @@ fn with(mut claims: Value, field: &str, value: Value) -> Value {
 }
 
 /// The fake provider: serves whatever key set the test gives it at
-/// `/.well-known/jwks.json`, and counts the fetches.
+/// `/.well-known/jwks.json` (or 503 while it is down), and counts the
+/// fetches.
 struct Provider {
     url: String,
     keys: Arc<Mutex<Vec<Value>>>,
     fetches: Arc<AtomicUsize>,
+    down: Arc<AtomicBool>,
 }
 
-type ProviderState = (Arc<Mutex<Vec<Value>>>, Arc<AtomicUsize>);
+type ProviderState = (Arc<Mutex<Vec<Value>>>, Arc<AtomicUsize>, Arc<AtomicBool>);
 
-async fn jwks(State((keys, fetches)): State<ProviderState>) -> axum::Json<Value> {
+async fn jwks(State((keys, fetches, down)): State<ProviderState>) -> axum::response::Response {
+    use axum::response::IntoResponse;
     fetches.fetch_add(1, Ordering::SeqCst);
+    if down.load(Ordering::SeqCst) {
+        return axum::http::StatusCode::SERVICE_UNAVAILABLE.into_response();
+    }
     let keys = keys.lock().unwrap().clone();
-    axum::Json(json!({ "keys": keys }))
+    axum::Json(json!({ "keys": keys })).into_response()
 }
 
 impl Provider {
     async fn start(keys: &[&Key]) -> Provider {
         let provider_keys = Arc::new(Mutex::new(Vec::new()));
         let fetches = Arc::new(AtomicUsize::new(0));
+        let down = Arc::new(AtomicBool::new(false));
         let app = Router::new()
             .route("/.well-known/jwks.json", get(jwks))
-            .with_state((provider_keys.clone(), fetches.clone()));
+            .with_state((provider_keys.clone(), fetches.clone(), down.clone()));
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
@@ -159,6 +166,7 @@ impl Provider {
             url: format!("http://{addr}/.well-known/jwks.json"),
             keys: provider_keys,
             fetches,
+            down,
         };
         provider.publish(keys);
         provider
@@ -383,6 +391,7 @@ async fn a_key_set_behind_a_redirect_is_not_followed() {
         url: format!("http://{addr}/jwks"),
         keys: provider.keys.clone(),
         fetches: provider.fetches.clone(),
+        down: provider.down.clone(),
     };
     let server = server_for(&redirecting, "").await;
     assert_refused(
@@ -392,4 +401,31 @@ async fn a_key_set_behind_a_redirect_is_not_followed() {
     )
     .await;
     assert_eq!(provider.fetches(), 0);
+}
+
+#[tokio::test]
+async fn keys_already_held_keep_serving_while_the_provider_is_down() {
+    let key = Key::rsa("rsa-1");
+    let provider = Provider::start(&[&key]).await;
+    let server = server_for(
+        &provider,
+        "jwks_refresh_secs = 1\njwks_min_refetch_secs = 1\n",
+    )
+    .await;
+    let token = key.sign(&claims());
+    assert_eq!(me_over_http(&server, &token).await.0, 200);
+    provider.down.store(true, Ordering::SeqCst);
+    // Once the set is stale, requests try to fetch it again and fail; the
+    // key held still verifies.
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    while provider.fetches() < 3 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no refetch of a stale set"
+        );
+        let (status, body) = me_over_http(&server, &token).await;
+        assert_eq!(status, 200, "{body}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(me_over_http(&server, &token).await.0, 200);
 }

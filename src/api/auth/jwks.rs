@@ -107,17 +107,20 @@ impl Jwks {
         let fresh = keys
             .fetched_at
             .is_some_and(|at| at.elapsed() < self.settings.refresh);
-        if let Some(key) = keys.find(kid)
-            && fresh
-        {
-            return Some(key);
+        match keys.find(kid) {
+            Some(key) if fresh => return Some(key),
+            // A stale key serves while another request fetches: nobody
+            // with a known key waits on the provider.
+            Some(key) => match self.last_fetch.try_lock() {
+                Ok(last) => self.refetch(last).await,
+                Err(_) => return Some(key),
+            },
+            None => self.refetch(self.last_fetch.lock().await).await,
         }
-        self.refetch().await;
         self.current().find(kid)
     }
 
-    async fn refetch(&self) {
-        let mut last = self.last_fetch.lock().await;
+    async fn refetch(&self, mut last: tokio::sync::MutexGuard<'_, Option<Instant>>) {
         if last.is_some_and(|at| at.elapsed() < self.settings.min_refetch) {
             return;
         }
