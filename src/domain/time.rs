@@ -36,6 +36,13 @@ mod tests {
     use super::*;
 
     #[test]
+    fn seconds_become_milliseconds_without_overflow() {
+        assert_eq!(secs_to_millis(86_400), 86_400_000);
+        assert_eq!(secs_to_millis(u64::MAX), Millis::MAX);
+        assert_eq!(secs_to_millis(i64::MAX as u64 / 1000 + 1), Millis::MAX);
+    }
+
+    #[test]
     fn renders_utc_with_exactly_milliseconds() {
         assert_eq!(
             to_rfc3339(1_795_960_114_123).as_deref(),
