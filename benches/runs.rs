@@ -29,7 +29,7 @@ fn setting(name: &str, default: usize) -> usize {
         .and_then(|v| v.parse().ok())
         .unwrap_or(default)
 }
-const SECRET: &str = "bench-secret";
+const SECRET: &str = "bench-secret-of-at-least-32-bytes";
 
 const CONFIG: &str = r#"
 [runtime]
@@ -155,11 +155,13 @@ fn ms(d: Duration) -> f64 {
 /// One client: a conversation, a subscription, and `messages` messages sent
 /// one after another, each waited for until its run completed.
 async fn client(addr: &str, auth: &Authenticator, index: usize, messages: usize) -> Vec<Sample> {
-    let token = auth.mint(
-        "bench",
-        &format!("client-{index}"),
-        Duration::from_secs(3600),
-    );
+    let token = auth
+        .mint(
+            "bench",
+            &format!("client-{index}"),
+            Duration::from_secs(3600),
+        )
+        .expect("the bench secret signs");
     let http = {
         tether::providers::http::install_tls();
         reqwest::Client::new()

@@ -16,6 +16,20 @@ pub const DEFAULT_DATABASE_URL: &str = "sqlite://tether.db?mode=rwc";
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
 pub const DEFAULT_CONFIG_PATH: &str = "tether.toml";
 
+/// The longest duration any configuration key may give (366 days), so that
+/// no duration, however it is multiplied into milliseconds or added to a
+/// clock, can overflow.
+pub const MAX_DURATION_SECS: u64 = 366 * 24 * 3600;
+const MAX_DURATION_MS: u64 = MAX_DURATION_SECS * 1000;
+
+/// A shorter HS256 secret can be guessed offline from one token.
+pub const MIN_SECRET_BYTES: usize = 32;
+
+/// The asymmetric algorithms a JWKS may verify; HS256 goes with secrets only.
+pub const JWKS_ALGORITHMS: &[&str] = &[
+    "RS256", "RS384", "RS512", "PS256", "PS384", "PS512", "ES256", "ES384", "EdDSA",
+];
+
 /// In-process tools every deployment has.
 pub const BUILTIN_TOOLS: &[&str] = &["ask_questions", "demo_publish"];
 
@@ -44,7 +58,7 @@ fn invalid(key: impl Into<String>, message: impl Into<String>) -> ConfigError {
 pub struct Config {
     pub database_url: String,
     pub listen: SocketAddr,
-    /// `None`: the development secret is in use (loopback only).
+    /// `TETHER_JWT_SECRET`. `None`: see [`Config::secret_source`].
     pub jwt_secret: Option<String>,
     pub encryption_key: Option<[u8; 32]>,
     pub file: FileConfig,
@@ -60,6 +74,8 @@ pub struct FileConfig {
     pub policy: PolicyConfig,
     #[serde(default)]
     pub api: ApiConfig,
+    #[serde(default)]
+    pub auth: AuthConfig,
     #[serde(default)]
     pub agents: Vec<AgentConfig>,
     #[serde(default)]
@@ -201,6 +217,136 @@ impl Default for ApiConfig {
             keepalive_idle_secs: 60,
             max_connections: 16_384,
         }
+    }
+}
+
+/// How bearer tokens are verified: HS256 with `TETHER_JWT_SECRET` (and
+/// earlier secrets, for rotation), and asymmetric tokens against an identity
+/// provider's JWKS.
+#[derive(Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AuthConfig {
+    /// The identity provider's key set; `TETHER_JWKS_URL` overrides it.
+    pub jwks_url: Option<String>,
+    /// The `iss` every token must carry, when set.
+    pub issuer: Option<String>,
+    /// A value the token's `aud` must hold, when set.
+    pub audience: Option<String>,
+    pub tenant_claim: String,
+    pub principal_claim: String,
+    /// Algorithms accepted from the JWKS; empty: all of [`JWKS_ALGORITHMS`].
+    pub algorithms: Vec<String>,
+    /// Variables holding secrets that still verify HS256 tokens but no
+    /// longer sign them.
+    pub previous_secrets_env: Vec<String>,
+    /// Resolved at start-up from `previous_secrets_env`.
+    #[serde(skip)]
+    pub previous_secrets: Vec<String>,
+    /// How long a fetched key set is used before it is fetched again.
+    pub jwks_refresh_secs: u64,
+    /// The least time between two fetches, however many unknown `kid`s
+    /// arrive.
+    pub jwks_min_refetch_secs: u64,
+    pub jwks_timeout_secs: u64,
+}
+
+impl Default for AuthConfig {
+    fn default() -> Self {
+        AuthConfig {
+            jwks_url: None,
+            issuer: None,
+            audience: None,
+            tenant_claim: "tenant".to_owned(),
+            principal_claim: "sub".to_owned(),
+            algorithms: Vec::new(),
+            previous_secrets_env: Vec::new(),
+            previous_secrets: Vec::new(),
+            jwks_refresh_secs: 600,
+            jwks_min_refetch_secs: 30,
+            jwks_timeout_secs: 5,
+        }
+    }
+}
+
+impl std::fmt::Debug for AuthConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AuthConfig")
+            .field("jwks_url", &self.jwks_url)
+            .field("issuer", &self.issuer)
+            .field("audience", &self.audience)
+            .field("tenant_claim", &self.tenant_claim)
+            .field("principal_claim", &self.principal_claim)
+            .field("algorithms", &self.algorithms)
+            .field("previous_secrets_env", &self.previous_secrets_env)
+            .field("previous_secrets", &"<redacted>")
+            .field("jwks_refresh_secs", &self.jwks_refresh_secs)
+            .field("jwks_min_refetch_secs", &self.jwks_min_refetch_secs)
+            .field("jwks_timeout_secs", &self.jwks_timeout_secs)
+            .finish()
+    }
+}
+
+impl AuthConfig {
+    /// The JWKS algorithms in force: the configured ones, or all.
+    pub fn jwks_algorithms(&self) -> Vec<&str> {
+        if self.algorithms.is_empty() {
+            JWKS_ALGORITHMS.to_vec()
+        } else {
+            self.algorithms.iter().map(String::as_str).collect()
+        }
+    }
+
+    fn validate(&mut self, env: &dyn Fn(&str) -> Option<String>) -> Result<(), ConfigError> {
+        if let Some(url) = env("TETHER_JWKS_URL").filter(|u| !u.is_empty()) {
+            self.jwks_url = Some(url);
+        }
+        if let Some(url) = &self.jwks_url
+            && !url.starts_with("http://")
+            && !url.starts_with("https://")
+        {
+            return Err(invalid("auth.jwks_url", "must be an http(s) URL"));
+        }
+        for (key, claim) in [
+            ("auth.tenant_claim", &self.tenant_claim),
+            ("auth.principal_claim", &self.principal_claim),
+        ] {
+            if claim.is_empty() {
+                return Err(invalid(key, "must not be empty"));
+            }
+        }
+        for (i, alg) in self.algorithms.iter().enumerate() {
+            if !JWKS_ALGORITHMS.contains(&alg.as_str()) {
+                return Err(invalid(
+                    format!("auth.algorithms[{i}]"),
+                    format!(
+                        "{alg:?} is not one of {}; HS256 tokens are verified with TETHER_JWT_SECRET",
+                        JWKS_ALGORITHMS.join(", ")
+                    ),
+                ));
+            }
+        }
+        self.previous_secrets = Vec::new();
+        for (i, var) in self.previous_secrets_env.iter().enumerate() {
+            let key = format!("auth.previous_secrets_env[{i}]");
+            let secret = required_env(&key, Some(var), env)?.unwrap_or_default();
+            strong_secret(&key, &secret)?;
+            self.previous_secrets.push(secret);
+        }
+        at_least("auth.jwks_refresh_secs", self.jwks_refresh_secs, 1)?;
+        at_most(
+            "auth.jwks_refresh_secs",
+            self.jwks_refresh_secs,
+            MAX_DURATION_SECS,
+        )?;
+        at_least("auth.jwks_min_refetch_secs", self.jwks_min_refetch_secs, 1)?;
+        at_most(
+            "auth.jwks_min_refetch_secs",
+            self.jwks_min_refetch_secs,
+            MAX_DURATION_SECS,
+        )?;
+        at_least("auth.jwks_timeout_secs", self.jwks_timeout_secs, 1)?;
+        at_most("auth.jwks_timeout_secs", self.jwks_timeout_secs, 300)?;
+        Ok(())
     }
 }
 
@@ -499,6 +645,7 @@ impl FileConfig {
             runtime: RuntimeConfig::default(),
             policy: PolicyConfig::default(),
             api: ApiConfig::default(),
+            auth: AuthConfig::default(),
             agents: vec![AgentConfig {
                 name: "demo".to_owned(),
                 provider: ProviderKind::Scripted,
@@ -562,10 +709,14 @@ impl FileConfig {
                 "must be shorter than runtime.lease_secs",
             ));
         }
+        duration_secs_f64("runtime.lease_secs", rt.lease_secs)?;
         at_least("runtime.checkpoint_ms", rt.checkpoint_ms, 1)?;
+        duration_ms("runtime.checkpoint_ms", rt.checkpoint_ms)?;
         at_least("runtime.concurrency", rt.concurrency, 1)?;
         at_least("runtime.poll_ms", rt.poll_ms, 10)?;
+        duration_ms("runtime.poll_ms", rt.poll_ms)?;
         non_negative("runtime.shutdown_grace_secs", rt.shutdown_grace_secs)?;
+        duration_secs_f64("runtime.shutdown_grace_secs", rt.shutdown_grace_secs)?;
         let api = &self.api;
         at_least("api.max_message_bytes", api.max_message_bytes, 1)?;
         at_least("api.max_request_bytes", api.max_request_bytes, 1024)?;
@@ -641,13 +792,14 @@ impl FileConfig {
                     http.max_response_bytes,
                     1,
                 )?;
+                duration_secs(&format!("{key}.http.timeout_secs"), http.timeout_secs)?;
             }
-            if let Some(conn) = &tool.connection
-                && !self.connections.iter().any(|c| c.provider == conn.provider)
-            {
+            // Connections are not implemented yet: such a tool would be
+            // called without the user's credentials. Fail closed.
+            if tool.connection.is_some() {
                 return Err(invalid(
-                    format!("{key}.connection.provider"),
-                    format!("no [[connections]] entry for provider {:?}", conn.provider),
+                    format!("{key}.connection"),
+                    "connections are not supported yet; remove `connection` from this tool",
                 ));
             }
         }
@@ -688,6 +840,7 @@ impl FileConfig {
                 }
             }
             at_least(&format!("{key}.consent_ttl_secs"), conn.consent_ttl_secs, 1)?;
+            duration_secs(&format!("{key}.consent_ttl_secs"), conn.consent_ttl_secs)?;
         }
 
         if self.agents.is_empty() {
@@ -762,6 +915,8 @@ impl FileConfig {
                 agent.idle_timeout_secs,
                 1,
             )?;
+            duration_secs(&format!("{key}.idle_timeout_secs"), agent.idle_timeout_secs)?;
+            duration_ms(&format!("{key}.stream_delay_ms"), agent.stream_delay_ms)?;
             at_least(
                 &format!("{key}.limits.max_steps"),
                 agent.limits.max_steps,
@@ -771,6 +926,18 @@ impl FileConfig {
                 &format!("{key}.limits.timeout_secs"),
                 agent.limits.timeout_secs,
                 1,
+            )?;
+            duration_secs(
+                &format!("{key}.limits.timeout_secs"),
+                agent.limits.timeout_secs,
+            )?;
+            duration_ms(
+                &format!("{key}.retry.initial_delay_ms"),
+                agent.retry.initial_delay_ms,
+            )?;
+            duration_ms(
+                &format!("{key}.retry.max_delay_ms"),
+                agent.retry.max_delay_ms,
             )?;
             at_least(
                 &format!("{key}.retry.max_attempts"),
@@ -799,15 +966,58 @@ impl FileConfig {
         {
             return Err(invalid("default_agent", format!("no agent named {name:?}")));
         }
+        duration_secs("policy.approval_ttl_secs", self.policy.approval_ttl_secs)?;
+        duration_secs("policy.question_ttl_secs", self.policy.question_ttl_secs)?;
         for (i, tenant) in self.policy.tenants.iter().enumerate() {
+            let key = format!("policy.tenants[{i}]");
             if tenant.tenant.is_empty() {
-                return Err(invalid(
-                    format!("policy.tenants[{i}].tenant"),
-                    "must not be empty",
-                ));
+                return Err(invalid(format!("{key}.tenant"), "must not be empty"));
+            }
+            if let Some(ttl) = tenant.approval_ttl_secs {
+                duration_secs(&format!("{key}.approval_ttl_secs"), ttl)?;
+            }
+            if let Some(ttl) = tenant.question_ttl_secs {
+                duration_secs(&format!("{key}.question_ttl_secs"), ttl)?;
             }
         }
+        self.auth.validate(env)?;
         Ok(())
+    }
+}
+
+fn at_most<T: PartialOrd + std::fmt::Display>(
+    key: &str,
+    value: T,
+    max: T,
+) -> Result<(), ConfigError> {
+    if value <= max {
+        Ok(())
+    } else {
+        Err(invalid(key, format!("must be at most {max}")))
+    }
+}
+
+fn duration_secs(key: &str, value: u64) -> Result<(), ConfigError> {
+    at_most(key, value, MAX_DURATION_SECS)
+}
+
+fn duration_ms(key: &str, value: u64) -> Result<(), ConfigError> {
+    at_most(key, value, MAX_DURATION_MS)
+}
+
+fn duration_secs_f64(key: &str, value: f64) -> Result<(), ConfigError> {
+    // `MAX_DURATION_SECS` is far below 2^53: the cast is exact.
+    at_most(key, value, MAX_DURATION_SECS as f64)
+}
+
+fn strong_secret(key: &str, secret: &str) -> Result<(), ConfigError> {
+    if secret.len() >= MIN_SECRET_BYTES {
+        Ok(())
+    } else {
+        Err(invalid(
+            key,
+            format!("the secret must be at least {MIN_SECRET_BYTES} bytes long"),
+        ))
     }
 }
 
@@ -839,17 +1049,14 @@ fn at_least<T: PartialOrd + std::fmt::Display>(
     }
 }
 
-fn between<T: PartialOrd + std::fmt::Display>(
+fn between<T: PartialOrd + std::fmt::Display + Copy>(
     key: &str,
     value: T,
     min: T,
     max: T,
 ) -> Result<(), ConfigError> {
-    if value >= min && value <= max {
-        Ok(())
-    } else {
-        Err(invalid(key, format!("must be between {min} and {max}")))
-    }
+    at_least(key, value, min)?;
+    at_most(key, value, max)
 }
 
 fn identifier(key: &str, value: &str) -> Result<(), ConfigError> {
@@ -918,11 +1125,22 @@ impl Config {
             )
         })?;
         let jwt_secret = env("TETHER_JWT_SECRET").filter(|s| !s.is_empty());
-        if jwt_secret.is_none() && !listen.ip().is_loopback() {
-            return Err(invalid(
-                "TETHER_JWT_SECRET",
-                "must be set to serve on a non-loopback address",
-            ));
+        if let Some(secret) = &jwt_secret {
+            strong_secret("TETHER_JWT_SECRET", secret)?;
+        }
+        if jwt_secret.is_none() {
+            if !file.auth.previous_secrets.is_empty() {
+                return Err(invalid(
+                    "TETHER_JWT_SECRET",
+                    "must be set when auth.previous_secrets_env is: the current secret signs",
+                ));
+            }
+            if file.auth.jwks_url.is_none() && !listen.ip().is_loopback() {
+                return Err(invalid(
+                    "TETHER_JWT_SECRET",
+                    "must be set (or TETHER_JWKS_URL) to serve on a non-loopback address",
+                ));
+            }
         }
         let encryption_key = match env("TETHER_ENCRYPTION_KEY") {
             Some(text) => Some(decode_key(&text)?),
@@ -942,6 +1160,69 @@ impl Config {
             file,
         })
     }
+}
+
+/// Where the HS256 secrets come from.
+#[derive(PartialEq, Eq)]
+pub enum SecretSource {
+    /// `TETHER_JWT_SECRET`, then the previous secrets.
+    Configured(Vec<String>),
+    /// Nothing configured on an SQLite file: a random secret kept in this
+    /// file beside it, made on first use.
+    Generated(PathBuf),
+    /// A JWKS alone verifies tokens; no HS256 token is accepted.
+    None,
+}
+
+impl std::fmt::Debug for SecretSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SecretSource::Configured(secrets) => write!(f, "Configured({} secrets)", secrets.len()),
+            SecretSource::Generated(path) => write!(f, "Generated({})", path.display()),
+            SecretSource::None => write!(f, "None"),
+        }
+    }
+}
+
+impl Config {
+    /// The HS256 secrets for `serve` and `token`. Only an SQLite database
+    /// file has a place to keep a generated secret; anything else needs a
+    /// configured secret or a JWKS.
+    pub fn secret_source(&self) -> Result<SecretSource, ConfigError> {
+        if let Some(secret) = &self.jwt_secret {
+            let mut secrets = vec![secret.clone()];
+            secrets.extend(self.file.auth.previous_secrets.iter().cloned());
+            return Ok(SecretSource::Configured(secrets));
+        }
+        if self.file.auth.jwks_url.is_some() {
+            return Ok(SecretSource::None);
+        }
+        match sqlite_file(&self.database_url) {
+            Some(db) => {
+                let mut name = db.into_os_string();
+                name.push(".jwt-secret");
+                Ok(SecretSource::Generated(PathBuf::from(name)))
+            }
+            None => Err(invalid(
+                "TETHER_JWT_SECRET",
+                "must be set, or TETHER_JWKS_URL, on this database: a generated secret is kept only beside an SQLite database file",
+            )),
+        }
+    }
+}
+
+/// The database file of an SQLite URL; `None` for in-memory databases,
+/// URI file names and other URLs.
+fn sqlite_file(url: &str) -> Option<PathBuf> {
+    let rest = url
+        .strip_prefix("sqlite://")
+        .or_else(|| url.strip_prefix("sqlite:"))?;
+    let (path, query) = rest.split_once('?').unwrap_or((rest, ""));
+    let in_memory = path.is_empty()
+        || path.starts_with(':')
+        || path.starts_with("file:")
+        || query.split('&').any(|pair| pair == "mode=memory");
+    (!in_memory).then(|| PathBuf::from(path))
 }
 
 fn read_file(path: &Path) -> Result<FileConfig, ConfigError> {
@@ -1084,6 +1365,187 @@ mod tests {
         assert!(err.contains("TETHER_ENCRYPTION_KEY"), "{err}");
         let key = base64::engine::general_purpose::STANDARD.encode([7u8; 32]);
         assert!(load_with(toml, &[("ACME", "t"), ("TETHER_ENCRYPTION_KEY", &key)]).is_ok());
+    }
+
+    const AGENT: &str = "[[agents]]\nname = \"a\"\nprovider = \"scripted\"\n";
+    const LONG_SECRET: &str = "a-configured-secret-of-32-bytes-or-more";
+
+    #[test]
+    fn secrets_shorter_than_32_bytes_are_refused() {
+        let err = message(load_with(AGENT, &[("TETHER_JWT_SECRET", "too-short")]));
+        assert!(
+            err.contains("TETHER_JWT_SECRET") && err.contains("32"),
+            "{err}"
+        );
+        let toml = format!("{AGENT}[auth]\nprevious_secrets_env = [\"OLD\"]\n");
+        let err = message(load_with(
+            &toml,
+            &[("TETHER_JWT_SECRET", LONG_SECRET), ("OLD", "short")],
+        ));
+        assert!(err.contains("auth.previous_secrets_env[0]"), "{err}");
+        let err = message(load_with(&toml, &[("OLD", LONG_SECRET)]));
+        assert!(err.contains("TETHER_JWT_SECRET"), "{err}");
+        let config = load_with(
+            &toml,
+            &[
+                ("TETHER_JWT_SECRET", LONG_SECRET),
+                ("OLD", "b".repeat(32).as_str()),
+            ],
+        )
+        .unwrap();
+        assert_eq!(
+            config.secret_source().unwrap(),
+            SecretSource::Configured(vec![LONG_SECRET.to_owned(), "b".repeat(32)])
+        );
+    }
+
+    #[test]
+    fn without_a_secret_only_an_sqlite_file_gets_a_generated_one() {
+        let source = |url: &str| {
+            load_with(AGENT, &[("TETHER_DATABASE_URL", url)])
+                .unwrap()
+                .secret_source()
+        };
+        assert_eq!(
+            source("sqlite://tether.db?mode=rwc").unwrap(),
+            SecretSource::Generated(PathBuf::from("tether.db.jwt-secret"))
+        );
+        assert_eq!(
+            source("sqlite:///var/lib/tether/t.db").unwrap(),
+            SecretSource::Generated(PathBuf::from("/var/lib/tether/t.db.jwt-secret"))
+        );
+        for url in [
+            "sqlite::memory:",
+            "sqlite://:memory:",
+            "sqlite://file:t?mode=memory&cache=shared",
+            "sqlite://t.db?mode=memory",
+            "postgres://db/tether",
+        ] {
+            let err = source(url).expect_err(url).to_string();
+            assert!(
+                err.contains("TETHER_JWT_SECRET") && err.contains("TETHER_JWKS_URL"),
+                "{url}: {err}"
+            );
+        }
+        let jwks = load_with(
+            AGENT,
+            &[
+                ("TETHER_DATABASE_URL", "postgres://db/tether"),
+                (
+                    "TETHER_JWKS_URL",
+                    "https://idp.example/.well-known/jwks.json",
+                ),
+                ("TETHER_LISTEN", "0.0.0.0:8080"),
+            ],
+        )
+        .unwrap();
+        assert_eq!(jwks.secret_source().unwrap(), SecretSource::None);
+    }
+
+    #[test]
+    fn the_auth_section_is_checked() {
+        for (toml, key) in [
+            ("[auth]\njwks_url = \"ftp://idp\"\n", "auth.jwks_url"),
+            ("[auth]\nalgorithms = [\"HS256\"]\n", "auth.algorithms[0]"),
+            ("[auth]\ntenant_claim = \"\"\n", "auth.tenant_claim"),
+            (
+                "[auth]\nprevious_secrets_env = [\"TETHER_TEST_UNSET\"]\n",
+                "auth.previous_secrets_env[0]",
+            ),
+            (
+                "[auth]\njwks_timeout_secs = 100000\n",
+                "auth.jwks_timeout_secs",
+            ),
+            (
+                "[auth]\njwks_min_refetch_secs = 0\n",
+                "auth.jwks_min_refetch_secs",
+            ),
+        ] {
+            let err = message(load_with(&format!("{AGENT}{toml}"), &[]));
+            assert!(err.contains(key), "{toml}: {err}");
+        }
+        let config = load_with(
+            &format!("{AGENT}[auth]\njwks_url = \"https://a\"\nalgorithms = [\"ES256\"]\ntenant_claim = \"org_id\"\n"),
+            &[("TETHER_JWKS_URL", "https://b")],
+        )
+        .unwrap();
+        assert_eq!(config.file.auth.jwks_url.as_deref(), Some("https://b"));
+        assert_eq!(config.file.auth.jwks_algorithms(), ["ES256"]);
+        assert_eq!(config.file.auth.tenant_claim, "org_id");
+        assert_eq!(config.file.auth.principal_claim, "sub");
+    }
+
+    #[test]
+    fn durations_have_an_upper_bound_named_by_their_key() {
+        let huge = i64::MAX;
+        for (toml, key) in [
+            (
+                format!("[policy]\napproval_ttl_secs = {huge}\n"),
+                "policy.approval_ttl_secs",
+            ),
+            (
+                format!("[policy]\nquestion_ttl_secs = {huge}\n"),
+                "policy.question_ttl_secs",
+            ),
+            (
+                format!("[[policy.tenants]]\ntenant = \"t\"\napproval_ttl_secs = {huge}\n"),
+                "policy.tenants[0].approval_ttl_secs",
+            ),
+            (
+                "[runtime]\nlease_secs = 1e300\n".to_owned(),
+                "runtime.lease_secs",
+            ),
+            (
+                "[runtime]\nshutdown_grace_secs = 1e300\n".to_owned(),
+                "runtime.shutdown_grace_secs",
+            ),
+            (format!("[runtime]\npoll_ms = {huge}\n"), "runtime.poll_ms"),
+            (
+                format!("[api]\nws_keepalive_secs = {huge}\n"),
+                "api.ws_keepalive_secs",
+            ),
+            (
+                format!("[agents.limits]\ntimeout_secs = {huge}\n"),
+                "agents[0].limits.timeout_secs",
+            ),
+            (
+                format!("[agents.retry]\nmax_delay_ms = {huge}\n"),
+                "agents[0].retry.max_delay_ms",
+            ),
+            (
+                format!("idle_timeout_secs = {huge}\n"),
+                "agents[0].idle_timeout_secs",
+            ),
+        ] {
+            let text = if toml.starts_with("[agents") || toml.starts_with("idle") {
+                format!("{AGENT}{toml}")
+            } else {
+                format!("{toml}{AGENT}")
+            };
+            let err = message(load_with(&text, &[]));
+            assert!(err.contains(key), "{toml}: {err}");
+        }
+        // A TOML integer cannot hold u64::MAX: the parser refuses it, at the key.
+        let err = message(load_with(
+            &format!("[policy]\napproval_ttl_secs = {}\n{AGENT}", u64::MAX),
+            &[],
+        ));
+        assert!(err.contains("approval_ttl_secs"), "{err}");
+        let at_bound = format!("[policy]\napproval_ttl_secs = {MAX_DURATION_SECS}\n{AGENT}");
+        assert!(load_with(&at_bound, &[]).is_ok());
+    }
+
+    #[test]
+    fn a_tool_with_a_connection_is_refused_until_connections_exist() {
+        let key = base64::engine::general_purpose::STANDARD.encode([7u8; 32]);
+        let toml = format!(
+            "{AGENT}[[tools]]\nname = \"t\"\ndescription = \"d\"\ninput_schema = {{ type = \"object\" }}\nhttp = {{ url = \"http://127.0.0.1:9/\" }}\nconnection = {{ provider = \"acme\" }}\n[[connections]]\nprovider = \"acme\"\nmode = \"token\"\ntoken_env = \"ACME\"\n"
+        );
+        let err = message(load_with(
+            &toml,
+            &[("ACME", "t"), ("TETHER_ENCRYPTION_KEY", &key)],
+        ));
+        assert!(err.contains("tools[0].connection"), "{err}");
     }
 
     #[test]

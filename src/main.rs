@@ -22,7 +22,7 @@ enum Command {
     },
     /// Apply migrations and exit.
     Migrate,
-    /// Print a JWT signed with the configured secret.
+    /// Print a JWT signed with the configured secret (or the generated one).
     Token {
         #[arg(long)]
         tenant: String,
@@ -69,7 +69,7 @@ fn main() -> ExitCode {
             Command::Migrate => server::open_store(&config).await.map(|_| ()),
             Command::Token { tenant, sub, ttl } => {
                 let auth = server::authenticator(&config)?;
-                println!("{}", auth.mint(&tenant, &sub, ttl));
+                println!("{}", auth.mint(&tenant, &sub, ttl)?);
                 Ok(())
             }
             Command::Schema => Ok(()),

@@ -5,9 +5,9 @@ use std::sync::Arc;
 use anyhow::Context as _;
 use tokio::net::TcpListener;
 
-use crate::api::{self, auth::Authenticator, auth::DEVELOPMENT_SECRET, context::Services};
+use crate::api::{self, auth::Authenticator, auth::secret_file, context::Services};
 use crate::bus::{self, Bus};
-use crate::config::Config;
+use crate::config::{Config, SecretSource};
 use crate::runtime::{Runtime, RuntimeOptions};
 use crate::store::Store;
 use crate::tools;
@@ -31,9 +31,22 @@ pub async fn open_store(config: &Config) -> anyhow::Result<Store> {
     Ok(store)
 }
 
+/// The verifier for `serve` and the signer for `tether token`: both find
+/// the same secrets.
 pub fn authenticator(config: &Config) -> anyhow::Result<Authenticator> {
-    let secret = config.jwt_secret.as_deref().unwrap_or(DEVELOPMENT_SECRET);
-    Authenticator::new(secret).context("TETHER_JWT_SECRET is not a usable HS256 secret")
+    let secrets = match config.secret_source()? {
+        SecretSource::Configured(secrets) => secrets,
+        SecretSource::Generated(path) => {
+            let secret = secret_file::load_or_create(&path)?;
+            tracing::info!(
+                file = %path.display(),
+                "TETHER_JWT_SECRET is not set: using the generated secret kept in this file"
+            );
+            vec![secret]
+        }
+        SecretSource::None => Vec::new(),
+    };
+    Ok(Authenticator::from_config(&config.file.auth, secrets)?)
 }
 
 /// A server started in this process: the API (unless `Role::Worker`) on a
@@ -66,17 +79,14 @@ impl Running {
 }
 
 pub async fn start(config: Config, role: Role) -> anyhow::Result<Running> {
-    if config.jwt_secret.is_none() {
-        tracing::warn!(
-            "TETHER_JWT_SECRET is not set: using the development secret (loopback only)"
-        );
-    }
+    // Before the database: a deployment without a usable secret stops at
+    // once, with the variable to set.
+    let auth = authenticator(&config)?;
     let worker_lock = match role {
         Role::Api => None,
         Role::All | Role::Worker => lock_sqlite_for_workers(&config.database_url)?,
     };
     let store = open_store(&config).await?;
-    let auth = authenticator(&config)?;
     let stopping = CancellationToken::new();
     if config.database_url.starts_with("postgres") {
         bus::pg::spawn(

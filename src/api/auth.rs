@@ -1,12 +1,28 @@
-//! JWT authentication: HS256 tokens with `sub`, `tenant` and `exp`.
+//! JWT authentication. HS256 tokens verify against `TETHER_JWT_SECRET` and
+//! the previous secrets still accepted during a rotation; asymmetric tokens
+//! (RS256, ES256, EdDSA and their kin) against an identity provider's JWKS.
+//! The algorithm in a token's header only chooses which of the two is
+//! asked, never which kind of key: an HS256 token is never checked against
+//! a JWKS key, nor an RS256 token against a secret.
+
+mod jwks;
+pub mod secret_file;
+
+use std::time::Duration;
 
 use jsonwebtoken::{Algorithm, DecodingKey, EncodingKey, Header, Validation};
-use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
 
+use crate::config::{AuthConfig, MIN_SECRET_BYTES};
 use crate::domain::time::now_millis;
+use jwks::{Jwks, JwksSettings};
 
-/// The secret used when `TETHER_JWT_SECRET` is unset (loopback only).
-pub const DEVELOPMENT_SECRET: &str = "tether-development-secret-do-not-use-in-production";
+pub use jwks::JwksError;
+
+/// The longest an open connection waits for its token to expire: beyond
+/// this a timer could not be set. A connection that outlives it is closed as
+/// expired and reconnects.
+const MAX_EXPIRY_WAIT: Duration = Duration::from_secs(365 * 24 * 3600);
 
 /// The authenticated caller.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -18,21 +34,15 @@ pub struct Viewer {
 }
 
 impl Viewer {
-    /// How long until the token expires; zero once it has.
-    pub fn expires_in(&self) -> std::time::Duration {
-        let left = self
+    /// How long from now until the token expires, zero once it has. A token
+    /// may carry any `exp`: nothing here overflows.
+    pub fn expires_in(&self) -> Duration {
+        let left_ms = self
             .expires_at
             .saturating_mul(1000)
             .saturating_sub(now_millis());
-        std::time::Duration::from_millis(u64::try_from(left).unwrap_or(0))
+        Duration::from_millis(u64::try_from(left_ms).unwrap_or(0)).min(MAX_EXPIRY_WAIT)
     }
-}
-
-#[derive(Debug, Serialize, Deserialize)]
-struct Claims {
-    sub: String,
-    tenant: String,
-    exp: i64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -41,100 +51,241 @@ pub enum AuthError {
     Missing,
     #[error("invalid token")]
     Invalid,
+    #[error("no secret to sign tokens with: set TETHER_JWT_SECRET")]
+    CannotSign,
 }
 
-#[derive(Clone)]
+/// Why an authenticator cannot be built from its configuration.
+#[derive(Debug, thiserror::Error)]
+pub enum AuthSetupError {
+    #[error("TETHER_JWT_SECRET: the secret must be at least {MIN_SECRET_BYTES} bytes long")]
+    WeakSecret,
+    #[error("TETHER_JWT_SECRET is not a usable HS256 secret: {0}")]
+    Secret(#[from] jsonwebtoken::errors::Error),
+    #[error("auth.algorithms: {0:?} is not an algorithm a JWKS can verify")]
+    Algorithm(String),
+    #[error("neither a secret nor a JWKS is configured: set TETHER_JWT_SECRET or TETHER_JWKS_URL")]
+    Nothing,
+    #[error(transparent)]
+    Jwks(#[from] JwksError),
+}
+
 pub struct Authenticator {
-    encoding: EncodingKey,
-    decoding: DecodingKey,
+    /// The first signs `tether token`; all verify.
+    secrets: Vec<(EncodingKey, DecodingKey)>,
+    jwks: Option<(Jwks, Vec<Algorithm>)>,
+    /// `exp`, `nbf`, `iss` and `aud` as configured; the algorithm is set
+    /// per token.
     validation: Validation,
+    tenant_claim: String,
+    principal_claim: String,
 }
 
 impl Authenticator {
-    pub fn new(secret: &str) -> Result<Authenticator, jsonwebtoken::errors::Error> {
+    /// HS256 with one secret and the default claim names.
+    pub fn new(secret: &str) -> Result<Authenticator, AuthSetupError> {
+        Authenticator::from_config(&AuthConfig::default(), vec![secret.to_owned()])
+    }
+
+    /// `secrets`: the HS256 secrets, the signing one first; the JWKS and
+    /// the claims from `config`.
+    pub fn from_config(
+        config: &AuthConfig,
+        secrets: Vec<String>,
+    ) -> Result<Authenticator, AuthSetupError> {
+        let secrets = secrets
+            .iter()
+            .map(|secret| {
+                if secret.len() < MIN_SECRET_BYTES {
+                    return Err(AuthSetupError::WeakSecret);
+                }
+                Ok((
+                    EncodingKey::from_secret(secret.as_bytes())?,
+                    DecodingKey::from_secret(secret.as_bytes())?,
+                ))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        let jwks = match &config.jwks_url {
+            Some(url) => {
+                let algorithms = config
+                    .jwks_algorithms()
+                    .into_iter()
+                    .map(|name| match name.parse::<Algorithm>() {
+                        Ok(alg) if alg.family() != jsonwebtoken::AlgorithmFamily::Hmac => Ok(alg),
+                        _ => Err(AuthSetupError::Algorithm(name.to_owned())),
+                    })
+                    .collect::<Result<Vec<_>, _>>()?;
+                let jwks = Jwks::new(JwksSettings {
+                    url: url.clone(),
+                    refresh: Duration::from_secs(config.jwks_refresh_secs),
+                    min_refetch: Duration::from_secs(config.jwks_min_refetch_secs),
+                    timeout: Duration::from_secs(config.jwks_timeout_secs),
+                })?;
+                Some((jwks, algorithms))
+            }
+            None => None,
+        };
+        if secrets.is_empty() && jwks.is_none() {
+            return Err(AuthSetupError::Nothing);
+        }
         let mut validation = Validation::new(Algorithm::HS256);
-        validation.set_required_spec_claims(&["exp", "sub"]);
+        let mut required = vec!["exp"];
         validation.leeway = 0;
         validation.validate_exp = true;
+        validation.validate_nbf = true;
+        if let Some(issuer) = &config.issuer {
+            validation.set_issuer(&[issuer]);
+            required.push("iss");
+        }
+        match &config.audience {
+            Some(audience) => {
+                validation.set_audience(&[audience]);
+                required.push("aud");
+            }
+            // Identity providers put an audience in every token; with none
+            // configured there is nothing to hold it against.
+            None => validation.validate_aud = false,
+        }
+        validation.set_required_spec_claims(&required);
         Ok(Authenticator {
-            encoding: EncodingKey::from_secret(secret.as_bytes())?,
-            decoding: DecodingKey::from_secret(secret.as_bytes())?,
+            secrets,
+            jwks,
             validation,
+            tenant_claim: config.tenant_claim.clone(),
+            principal_claim: config.principal_claim.clone(),
         })
     }
 
-    /// Verifies a bearer token; only HS256 with this secret is accepted.
-    pub fn verify(&self, token: &str) -> Result<Viewer, AuthError> {
-        let data = jsonwebtoken::decode::<Claims>(token, &self.decoding, &self.validation)
-            .map_err(|_| AuthError::Invalid)?;
-        let claims = data.claims;
-        if claims.sub.is_empty() || claims.tenant.is_empty() {
-            return Err(AuthError::Invalid);
-        }
+    /// Verifies a bearer token.
+    pub async fn verify(&self, token: &str) -> Result<Viewer, AuthError> {
+        let header = jsonwebtoken::decode_header(token).map_err(|_| AuthError::Invalid)?;
+        let mut validation = self.validation.clone();
+        validation.algorithms = vec![header.alg];
+        let claims = if header.alg == Algorithm::HS256 {
+            self.secrets
+                .iter()
+                .find_map(|(_, key)| decode(token, key, &validation))
+        } else {
+            let (jwks, algorithms) = self.jwks.as_ref().ok_or(AuthError::Invalid)?;
+            if !algorithms.contains(&header.alg) {
+                return Err(AuthError::Invalid);
+            }
+            let key = jwks
+                .key(header.kid.as_deref())
+                .await
+                .ok_or(AuthError::Invalid)?;
+            let pinned = key.algorithm.is_none_or(|alg| alg == header.alg);
+            if !pinned || key.decoding.family() != header.alg.family() {
+                return Err(AuthError::Invalid);
+            }
+            decode(token, &key.decoding, &validation)
+        };
+        self.viewer(claims.ok_or(AuthError::Invalid)?)
+    }
+
+    fn viewer(&self, claims: Map<String, Value>) -> Result<Viewer, AuthError> {
+        let text = |name: &str| {
+            claims
+                .get(name)
+                .and_then(Value::as_str)
+                .filter(|value| !value.is_empty())
+                .map(str::to_owned)
+        };
         Ok(Viewer {
-            tenant: claims.tenant,
-            principal: claims.sub,
-            expires_at: claims.exp,
+            tenant: text(&self.tenant_claim).ok_or(AuthError::Invalid)?,
+            principal: text(&self.principal_claim).ok_or(AuthError::Invalid)?,
+            expires_at: claims
+                .get("exp")
+                .and_then(Value::as_i64)
+                .ok_or(AuthError::Invalid)?,
         })
     }
 
     /// Verifies an `Authorization` header value of the form `Bearer <jwt>`.
-    pub fn verify_header(&self, value: Option<&str>) -> Result<Viewer, AuthError> {
+    pub async fn verify_header(&self, value: Option<&str>) -> Result<Viewer, AuthError> {
         let value = value.ok_or(AuthError::Missing)?.trim();
         let (scheme, token) = value.split_once(' ').ok_or(AuthError::Invalid)?;
         if !scheme.eq_ignore_ascii_case("bearer") {
             return Err(AuthError::Invalid);
         }
-        self.verify(token.trim())
+        self.verify(token.trim()).await
     }
 
-    /// Signs a token for `sub` in `tenant`, valid for `ttl`.
-    pub fn mint(&self, tenant: &str, sub: &str, ttl: std::time::Duration) -> String {
-        let claims = Claims {
-            sub: sub.to_owned(),
-            tenant: tenant.to_owned(),
-            exp: now_millis() / 1000 + ttl.as_secs() as i64,
-        };
+    /// Signs an HS256 token for `sub` in `tenant`, valid for `ttl`, with
+    /// the configured claim names and issuer and audience.
+    pub fn mint(&self, tenant: &str, sub: &str, ttl: Duration) -> Result<String, AuthError> {
+        let (key, _) = self.secrets.first().ok_or(AuthError::CannotSign)?;
+        let ttl = i64::try_from(ttl.as_secs()).unwrap_or(i64::MAX);
+        let mut claims = Map::new();
+        claims.insert(self.principal_claim.clone(), sub.into());
+        claims.insert(self.tenant_claim.clone(), tenant.into());
+        claims.insert(
+            "exp".into(),
+            (now_millis() / 1000).saturating_add(ttl).into(),
+        );
+        if let Some(issuer) = self.validation.iss.iter().flatten().next() {
+            claims.insert("iss".into(), issuer.clone().into());
+        }
+        if let Some(audience) = self.validation.aud.iter().flatten().next() {
+            claims.insert("aud".into(), audience.clone().into());
+        }
         // Encoding HS256 with an in-memory key cannot fail.
-        jsonwebtoken::encode(&Header::new(Algorithm::HS256), &claims, &self.encoding)
-            .unwrap_or_default()
+        Ok(jsonwebtoken::encode(&Header::new(Algorithm::HS256), &claims, key).unwrap_or_default())
     }
+}
+
+fn decode(token: &str, key: &DecodingKey, validation: &Validation) -> Option<Map<String, Value>> {
+    jsonwebtoken::decode::<Map<String, Value>>(token, key, validation)
+        .ok()
+        .map(|data| data.claims)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use base64::Engine;
-    use std::time::Duration;
+
+    const SECRET: &str = "unit-test-secret-of-at-least-32-bytes";
+    const OTHER: &str = "another-unit-test-secret-32-bytes-long";
 
     fn b64(value: serde_json::Value) -> String {
         base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(value.to_string())
     }
 
-    #[test]
-    fn a_minted_token_verifies() {
-        let auth = Authenticator::new("s3cret").unwrap();
-        let token = auth.mint("acme", "ada", Duration::from_secs(60));
-        let viewer = auth.verify(&token).unwrap();
+    fn hs256(claims: serde_json::Value, secret: &str) -> String {
+        jsonwebtoken::encode(
+            &Header::new(Algorithm::HS256),
+            &claims,
+            &EncodingKey::from_secret(secret.as_bytes()).unwrap(),
+        )
+        .unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_minted_token_verifies() {
+        let auth = Authenticator::new(SECRET).unwrap();
+        let token = auth.mint("acme", "ada", Duration::from_secs(60)).unwrap();
+        let viewer = auth.verify(&token).await.unwrap();
         assert_eq!(
             (viewer.tenant.as_str(), viewer.principal.as_str()),
             ("acme", "ada")
         );
         assert_eq!(
             auth.verify_header(Some(&format!("bearer {token}")))
+                .await
                 .unwrap(),
             viewer
         );
     }
 
-    #[test]
-    fn forged_expired_and_incomplete_tokens_are_refused() {
-        let auth = Authenticator::new("s3cret").unwrap();
-        let other =
-            Authenticator::new("other")
-                .unwrap()
-                .mint("acme", "ada", Duration::from_secs(60));
-        assert_eq!(auth.verify(&other), Err(AuthError::Invalid));
+    #[tokio::test]
+    async fn forged_expired_premature_and_incomplete_tokens_are_refused() {
+        let auth = Authenticator::new(SECRET).unwrap();
+        let other = Authenticator::new(OTHER)
+            .unwrap()
+            .mint("acme", "ada", Duration::from_secs(60))
+            .unwrap();
+        assert_eq!(auth.verify(&other).await, Err(AuthError::Invalid));
 
         let exp = now_millis() / 1000 + 60;
         let unsigned = format!(
@@ -142,27 +293,127 @@ mod tests {
             b64(serde_json::json!({"alg": "none", "typ": "JWT"})),
             b64(serde_json::json!({"sub": "ada", "tenant": "acme", "exp": exp}))
         );
-        assert_eq!(auth.verify(&unsigned), Err(AuthError::Invalid));
-
-        let expired = jsonwebtoken::encode(
-            &Header::new(Algorithm::HS256),
-            &serde_json::json!({"sub": "ada", "tenant": "acme", "exp": exp - 120}),
-            &EncodingKey::from_secret(b"s3cret").unwrap(),
-        )
-        .unwrap();
-        assert_eq!(auth.verify(&expired), Err(AuthError::Invalid));
-
-        let no_tenant = jsonwebtoken::encode(
-            &Header::new(Algorithm::HS256),
-            &serde_json::json!({"sub": "ada", "exp": exp}),
-            &EncodingKey::from_secret(b"s3cret").unwrap(),
-        )
-        .unwrap();
-        assert_eq!(auth.verify(&no_tenant), Err(AuthError::Invalid));
-        assert_eq!(auth.verify_header(None), Err(AuthError::Missing));
+        assert_eq!(auth.verify(&unsigned).await, Err(AuthError::Invalid));
+        for claims in [
+            serde_json::json!({"sub": "ada", "tenant": "acme", "exp": exp - 120}),
+            serde_json::json!({"sub": "ada", "tenant": "acme", "exp": exp, "nbf": exp - 1}),
+            serde_json::json!({"sub": "ada", "exp": exp}),
+            serde_json::json!({"sub": "", "tenant": "acme", "exp": exp}),
+            serde_json::json!({"sub": "ada", "tenant": 7, "exp": exp}),
+        ] {
+            assert_eq!(
+                auth.verify(&hs256(claims.clone(), SECRET)).await,
+                Err(AuthError::Invalid),
+                "{claims}"
+            );
+        }
+        assert_eq!(auth.verify_header(None).await, Err(AuthError::Missing));
         assert_eq!(
-            auth.verify_header(Some("Basic abc")),
+            auth.verify_header(Some("Basic abc")).await,
             Err(AuthError::Invalid)
         );
+    }
+
+    #[tokio::test]
+    async fn previous_secrets_verify_and_the_first_signs() {
+        let rotated = Authenticator::from_config(
+            &AuthConfig::default(),
+            vec![SECRET.to_owned(), OTHER.to_owned()],
+        )
+        .unwrap();
+        let old = Authenticator::new(OTHER).unwrap();
+        let old_token = old.mint("acme", "ada", Duration::from_secs(60)).unwrap();
+        assert!(rotated.verify(&old_token).await.is_ok());
+        let new_token = rotated
+            .mint("acme", "ada", Duration::from_secs(60))
+            .unwrap();
+        assert_eq!(old.verify(&new_token).await, Err(AuthError::Invalid));
+        assert!(
+            Authenticator::new(SECRET)
+                .unwrap()
+                .verify(&new_token)
+                .await
+                .is_ok()
+        );
+    }
+
+    #[tokio::test]
+    async fn claim_names_issuer_and_audience_come_from_the_configuration() {
+        let config = AuthConfig {
+            tenant_claim: "org_id".into(),
+            principal_claim: "email".into(),
+            issuer: Some("https://idp.example".into()),
+            audience: Some("tether".into()),
+            ..AuthConfig::default()
+        };
+        let auth = Authenticator::from_config(&config, vec![SECRET.to_owned()]).unwrap();
+        let token = auth
+            .mint("acme", "ada@acme.test", Duration::from_secs(60))
+            .unwrap();
+        let viewer = auth.verify(&token).await.unwrap();
+        assert_eq!(
+            (viewer.tenant.as_str(), viewer.principal.as_str()),
+            ("acme", "ada@acme.test")
+        );
+        let exp = now_millis() / 1000 + 60;
+        let base = serde_json::json!({"org_id": "acme", "email": "ada", "exp": exp,
+            "iss": "https://idp.example", "aud": "tether"});
+        assert!(auth.verify(&hs256(base.clone(), SECRET)).await.is_ok());
+        for (field, value) in [
+            ("iss", serde_json::json!("https://evil.example")),
+            ("aud", serde_json::json!("someone-else")),
+            ("aud", serde_json::json!(null)),
+            ("org_id", serde_json::json!(null)),
+        ] {
+            let mut claims = base.clone();
+            match value {
+                serde_json::Value::Null => {
+                    claims.as_object_mut().unwrap().remove(field);
+                }
+                value => claims[field] = value,
+            }
+            assert_eq!(
+                auth.verify(&hs256(claims.clone(), SECRET)).await,
+                Err(AuthError::Invalid),
+                "{claims}"
+            );
+        }
+    }
+
+    #[test]
+    fn short_secrets_and_nothing_to_verify_with_are_refused() {
+        assert!(matches!(
+            Authenticator::new("short"),
+            Err(AuthSetupError::WeakSecret)
+        ));
+        assert!(matches!(
+            Authenticator::from_config(&AuthConfig::default(), Vec::new()),
+            Err(AuthSetupError::Nothing)
+        ));
+        let jwks_only = AuthConfig {
+            jwks_url: Some("http://127.0.0.1:9/jwks".into()),
+            ..AuthConfig::default()
+        };
+        let auth = Authenticator::from_config(&jwks_only, Vec::new()).unwrap();
+        assert_eq!(
+            auth.mint("acme", "ada", Duration::from_secs(60)),
+            Err(AuthError::CannotSign)
+        );
+    }
+
+    #[test]
+    fn expiry_arithmetic_saturates() {
+        let viewer = |expires_at| Viewer {
+            tenant: "t".into(),
+            principal: "p".into(),
+            expires_at,
+        };
+        assert_eq!(viewer(i64::MAX).expires_in(), MAX_EXPIRY_WAIT);
+        assert_eq!(viewer(i64::MIN).expires_in(), Duration::ZERO);
+        assert_eq!(viewer(0).expires_in(), Duration::ZERO);
+        let soon = viewer(now_millis() / 1000 + 100).expires_in();
+        assert!(soon > Duration::from_secs(90) && soon <= Duration::from_secs(100));
+        let auth = Authenticator::new(SECRET).unwrap();
+        assert!(auth.mint("acme", "ada", Duration::MAX).is_ok());
     }
 }

@@ -18,7 +18,7 @@ const GRAPHQL_RESPONSE: &str = "application/graphql-response+json";
 
 pub async fn graphql_post(State(app): State<AppState>, request: Request) -> Response {
     let (parts, body) = request.into_parts();
-    let viewer = match app.auth.verify_header(authorization(&parts.headers)) {
+    let viewer = match app.auth.verify_header(authorization(&parts.headers)).await {
         Ok(viewer) => viewer,
         Err(_) => return unauthenticated(),
     };
@@ -73,7 +73,7 @@ pub async fn graphql_get(State(app): State<AppState>, request: Request) -> Respo
             .max_frame_size(max_frame)
             .on_upgrade(move |socket| ws::serve(socket, protocol, app));
     }
-    let viewer = match app.auth.verify_header(authorization(&parts.headers)) {
+    let viewer = match app.auth.verify_header(authorization(&parts.headers)).await {
         Ok(viewer) => viewer,
         Err(_) => return unauthenticated(),
     };

@@ -36,7 +36,7 @@ pub async fn serve(socket: WebSocket, protocol: WebSocketProtocols, app: AppStat
         protocol,
     )
     .on_connection_init(move |payload| async move {
-        let viewer = bearer_in(&payload).and_then(|value| auth.verify_header(Some(value)).ok());
+        let viewer = auth.verify_header(bearer_in(&payload)).await.ok();
         let _ = auth_tx.send(viewer.clone());
         match viewer {
             Some(viewer) => {

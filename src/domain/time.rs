@@ -10,6 +10,14 @@ pub fn now_millis() -> Millis {
     Utc::now().timestamp_millis()
 }
 
+/// A duration in seconds (from configuration or input) as milliseconds,
+/// saturating instead of overflowing.
+pub fn secs_to_millis(secs: u64) -> Millis {
+    Millis::try_from(secs)
+        .unwrap_or(Millis::MAX)
+        .saturating_mul(1000)
+}
+
 /// `2026-11-29T13:48:34.123Z`; `None` for a value outside chrono's range.
 pub fn to_rfc3339(millis: Millis) -> Option<String> {
     DateTime::<Utc>::from_timestamp_millis(millis)
@@ -26,6 +34,13 @@ pub fn from_rfc3339(text: &str) -> Option<Millis> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn seconds_become_milliseconds_without_overflow() {
+        assert_eq!(secs_to_millis(86_400), 86_400_000);
+        assert_eq!(secs_to_millis(u64::MAX), Millis::MAX);
+        assert_eq!(secs_to_millis(i64::MAX as u64 / 1000 + 1), Millis::MAX);
+    }
 
     #[test]
     fn renders_utc_with_exactly_milliseconds() {

@@ -21,6 +21,7 @@ use super::failpoints;
 use crate::config::{Recovery, TenantRules};
 use crate::domain::interaction::questions;
 use crate::domain::retry::RetryPolicy;
+use crate::domain::time::secs_to_millis;
 use crate::domain::tool_call::{ToolCallStatus, ToolOutcome};
 use crate::store::entities::{run, tool_call};
 use crate::store::interactions::{self, ApprovalRequest, Decided};
@@ -162,7 +163,7 @@ impl Runner<'_> {
                         estimated_cost_usd: tool.estimated_cost_usd,
                         idempotency_key: call.idempotency_key.clone(),
                     };
-                    let ttl = self.rules.approval_ttl_secs as i64 * 1000;
+                    let ttl = secs_to_millis(self.rules.approval_ttl_secs);
                     let call = call.clone();
                     self.whole(move |s, l| async move {
                         interactions::ask_approval(&s, &l, &call, &request, ttl).await
@@ -174,7 +175,7 @@ impl Runner<'_> {
             ToolCallStatus::Requested if matches!(tool.runner, ToolRunner::AskQuestions) => {
                 match questions(input) {
                     Ok(specs) => {
-                        let ttl = self.rules.question_ttl_secs as i64 * 1000;
+                        let ttl = secs_to_millis(self.rules.question_ttl_secs);
                         let call = call.clone();
                         self.whole(move |s, l| async move {
                             interactions::ask(&s, &l, &call, &specs, ttl).await

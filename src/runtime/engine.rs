@@ -22,7 +22,7 @@ use crate::domain::cursor::Cursor;
 use crate::domain::event::{Event, EventBody, EventKind};
 use crate::domain::retry::RetryPolicy;
 use crate::domain::run::{EndCause, RunError, Usage, Waiting};
-use crate::domain::time::now_millis;
+use crate::domain::time::{now_millis, secs_to_millis};
 use crate::domain::tool_call::ToolOutcome;
 use crate::providers::{self, ModelEvent, ModelRequest, Provider, ProviderError, ToolSpec};
 use crate::store::entities::{run, tool_call};
@@ -138,8 +138,8 @@ async fn drive(
         .await;
     }
     let limits = &agent.limits;
-    let remaining_ms = (limits.timeout_secs as i64 * 1000 - run.active_ms).max(0);
-    let deadline = Instant::now() + Duration::from_millis(remaining_ms as u64);
+    let remaining_ms = secs_to_millis(limits.timeout_secs).saturating_sub(run.active_ms);
+    let deadline = Instant::now() + Duration::from_millis(u64::try_from(remaining_ms).unwrap_or(0));
     let provider = providers::for_agent(agent);
     let steps = Steps {
         store,

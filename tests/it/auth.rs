@@ -269,3 +269,105 @@ async fn another_tenant_sees_exactly_what_a_random_id_gets() {
         "{payload}"
     );
 }
+
+#[tokio::test]
+async fn a_token_expiring_near_the_end_of_time_neither_panics_nor_wedges_the_socket() {
+    let server = Server::start().await;
+    let token = sign(
+        json!({"sub": "ada", "tenant": "acme", "exp": i64::MAX}),
+        SECRET,
+    );
+    let (status, body) = server
+        .post(Some(&token), "{ me { tenant } }", json!({}))
+        .await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["data"]["me"]["tenant"], "acme");
+    let mut client = WsClient::connect(&server, &token).await;
+    for id in ["1", "2"] {
+        client
+            .subscribe(id, "{ me { principal } }", json!({}))
+            .await;
+        assert_eq!(
+            client.next_event(id).await["data"]["me"]["principal"],
+            "ada"
+        );
+    }
+    // The server is still up for everyone else.
+    let data = server
+        .gql(
+            &server.token("acme", "bob"),
+            "{ me { principal } }",
+            json!({}),
+        )
+        .await;
+    assert_eq!(data["me"]["principal"], "bob");
+}
+
+/// The development secret that was once built in; no build accepts it now.
+const FORMER_DEVELOPMENT_SECRET: &str = "tether-development-secret-do-not-use-in-production";
+
+#[tokio::test]
+async fn without_a_configured_secret_an_sqlite_server_generates_one_that_tether_token_shares() {
+    use crate::support::{ServerOptions, TestDb, tether_command};
+    let dir = std::env::temp_dir().join(format!("tether-it-secret-{}", uuid::Uuid::now_v7()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let url = format!("sqlite://{}?mode=rwc", dir.join("tether.db").display());
+    let env = vec![
+        ("TETHER_JWT_SECRET".to_owned(), String::new()),
+        ("TETHER_DATABASE_URL".to_owned(), url.clone()),
+    ];
+    let server = Server::start_with(ServerOptions {
+        env: env.clone(),
+        ..Default::default()
+    })
+    .await;
+    let secret_file = dir.join("tether.db.jwt-secret");
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt as _;
+        let mode = std::fs::metadata(&secret_file)
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600, "the secret file is private");
+    }
+
+    // `tether token` (the README's GraphiQL walk) signs with the same file.
+    let db = TestDb::new().await;
+    let mut command = tether_command(&db, crate::support::BASE_CONFIG, &dir);
+    for (key, value) in &env {
+        command.env(key, value);
+    }
+    let output = command
+        .args(["token", "--tenant", "acme", "--sub", "ada"])
+        .output()
+        .await
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let token = String::from_utf8(output.stdout).unwrap().trim().to_owned();
+    let (status, body) = server
+        .post(Some(&token), "{ me { tenant } }", json!({}))
+        .await;
+    assert_eq!(status, 200, "{body}");
+
+    // No fixed secret gets in: not the former built-in one, not the tests'.
+    for (what, secret) in [
+        ("the former development secret", FORMER_DEVELOPMENT_SECRET),
+        ("the test suite's secret", SECRET),
+    ] {
+        let forged = sign(
+            json!({"sub": "ada", "tenant": "acme", "exp": now() + 600}),
+            secret,
+        );
+        let (status, _) = server
+            .post(Some(&forged), "{ me { tenant } }", json!({}))
+            .await;
+        assert_eq!(status, 401, "{what}");
+    }
+    drop(server);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

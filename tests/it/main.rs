@@ -9,6 +9,7 @@ mod crash;
 mod downstream;
 mod fakes;
 mod http_limits;
+mod identity_providers;
 mod input_limits;
 mod instances;
 mod interactions;

@@ -96,3 +96,77 @@ fragment TypeRef on __Type {
   ofType { kind name ofType { kind name ofType { kind name ofType { kind name ofType { kind name ofType { kind name ofType { kind name } } } } } } }
 }
 "#;
+
+async fn refused_with_env(config: &str, env: &[(&str, &str)]) -> String {
+    let db = TestDb::new().await;
+    let dir = std::env::temp_dir();
+    let mut command = tether_command(&db, config, &dir);
+    for (key, value) in env {
+        command.env(key, value);
+    }
+    let output = tokio::time::timeout(Duration::from_secs(60), command.arg("serve").output())
+        .await
+        .expect("tether exits in time")
+        .unwrap();
+    assert!(!output.status.success(), "started with a bad configuration");
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+const AGENT: &str = "[[agents]]\nname = \"a\"\nprovider = \"scripted\"\n";
+
+#[tokio::test]
+async fn a_tool_with_a_connection_is_refused_at_start_up() {
+    let stderr = refused_with(&format!(
+        "{AGENT}[[tools]]\nname = \"repos\"\ndescription = \"d\"\ninput_schema = {{ type = \"object\" }}\nhttp = {{ url = \"http://127.0.0.1:9/\" }}\nconnection = {{ provider = \"github\" }}\n"
+    ))
+    .await;
+    assert!(stderr.contains("tools[0].connection"), "{stderr}");
+}
+
+#[tokio::test]
+async fn huge_durations_are_refused_naming_the_key() {
+    for (config, key) in [
+        (
+            format!("[policy]\napproval_ttl_secs = {}\n{AGENT}", u64::MAX),
+            "approval_ttl_secs",
+        ),
+        (
+            format!("[policy]\nquestion_ttl_secs = {}\n{AGENT}", i64::MAX),
+            "policy.question_ttl_secs",
+        ),
+        (
+            format!("{AGENT}[agents.limits]\ntimeout_secs = {}\n", i64::MAX),
+            "agents[0].limits.timeout_secs",
+        ),
+        (
+            "[runtime]\nlease_secs = 1e300\nheartbeat_secs = 5\n".to_owned(),
+            "runtime.lease_secs",
+        ),
+    ] {
+        let stderr = refused_with(&config).await;
+        assert!(stderr.contains(key), "{key}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{stderr}");
+    }
+}
+
+#[tokio::test]
+async fn weak_or_missing_secrets_are_refused_naming_the_variable() {
+    let stderr = refused_with_env(AGENT, &[("TETHER_JWT_SECRET", "only-twenty-bytes!!!")]).await;
+    assert!(
+        stderr.contains("TETHER_JWT_SECRET") && stderr.contains("32 bytes"),
+        "{stderr}"
+    );
+    // Off an SQLite file there is nowhere to keep a generated secret. The
+    // refusal comes before any attempt to reach the database.
+    for url in ["postgres://127.0.0.1:1/none", "sqlite::memory:"] {
+        let stderr = refused_with_env(
+            AGENT,
+            &[("TETHER_JWT_SECRET", ""), ("TETHER_DATABASE_URL", url)],
+        )
+        .await;
+        assert!(
+            stderr.contains("TETHER_JWT_SECRET") && stderr.contains("TETHER_JWKS_URL"),
+            "{url}: {stderr}"
+        );
+    }
+}

@@ -20,7 +20,7 @@ use tokio_tungstenite::tungstenite::http::HeaderValue;
 use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 use uuid::Uuid;
 
-pub const SECRET: &str = "integration-test-secret";
+pub const SECRET: &str = "integration-test-secret-at-least-32-bytes";
 
 /// How long any single expected thing may take before a test fails.
 pub const PATIENCE: Duration = Duration::from_secs(20);
@@ -358,7 +358,7 @@ impl Server {
             base,
             addr,
             http: http_client(),
-            auth: Authenticator::new(SECRET).unwrap(),
+            auth: Authenticator::new(SECRET).expect("the test secret is long enough"),
             child,
             db,
             options,
@@ -473,11 +473,15 @@ impl Server {
     }
 
     pub fn token(&self, tenant: &str, sub: &str) -> String {
-        self.auth.mint(tenant, sub, Duration::from_secs(3600))
+        self.auth
+            .mint(tenant, sub, Duration::from_secs(3600))
+            .expect("the test secret signs")
     }
 
     pub fn token_for(&self, tenant: &str, sub: &str, ttl: Duration) -> String {
-        self.auth.mint(tenant, sub, ttl)
+        self.auth
+            .mint(tenant, sub, ttl)
+            .expect("the test secret signs")
     }
 
     /// Posts a GraphQL request; returns the HTTP status and the JSON body.
