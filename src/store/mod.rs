@@ -71,6 +71,7 @@ pub struct Store {
     db: DatabaseConnection,
     /// The API's read snapshots only.
     reads: DatabaseConnection,
+    read_statements: Arc<AtomicU64>,
     bus: Bus,
     writes: Arc<AtomicU64>,
     /// SQLite has one writer: writers of this process queue here instead of
@@ -121,10 +122,16 @@ impl Store {
         let main = if sqlite { 8 } else { 16 };
         let db = Database::connect(connect_options(url, main, 1)).await?;
         // After the main pool, which has created the file and turned WAL on.
-        let reads = Database::connect(connect_options(url, read_connections, 0)).await?;
+        let mut reads = Database::connect(connect_options(url, read_connections, 0)).await?;
+        let read_statements = Arc::new(AtomicU64::new(0));
+        let counter = read_statements.clone();
+        reads.set_metric_callback(move |_| {
+            counter.fetch_add(1, Ordering::Relaxed);
+        });
         Ok(Store {
             db,
             reads,
+            read_statements,
             bus,
             writes: Arc::default(),
             write_lane: sqlite.then(Arc::default),
@@ -147,6 +154,12 @@ impl Store {
     /// Write transactions begun by this store so far (for benchmarks).
     pub fn write_transactions(&self) -> u64 {
         self.writes.load(Ordering::Relaxed)
+    }
+
+    /// Statements run in API read snapshots so far (for tests and
+    /// benchmarks).
+    pub fn read_statements(&self) -> u64 {
+        self.read_statements.load(Ordering::Relaxed)
     }
 
     /// Waits for this process's turn to write and counts the write. Every

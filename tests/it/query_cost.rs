@@ -3,8 +3,14 @@
 //! look-ups are batched without losing their answers.
 
 use std::collections::HashSet;
+use std::sync::Arc;
 
 use serde_json::{Value, json};
+use tether::api::auth::Viewer;
+use tether::api::context::{RequestSnapshot, Services};
+use tether::bus::Bus;
+use tether::config::FileConfig;
+use tether::store::Store;
 
 use crate::downstream::Downstream;
 use crate::support::{BASE_CONFIG, Server, ServerOptions, WORKER_CONFIG};
@@ -198,6 +204,34 @@ async fn many_tool_call_parts_each_show_their_own_call() {
         .map(|c| c["id"].as_str().unwrap())
         .collect();
     assert_eq!(from_parts, of_run);
+
+    // One batch for the thirty calls: the same query, run in process on the
+    // same database, takes a handful of statements, not one per part.
+    let store = Store::connect(server.database_url(), Bus::new())
+        .await
+        .unwrap();
+    let schema = tether::api::schema(Services {
+        store: store.clone(),
+        config: Arc::new(FileConfig::from_toml(BASE_CONFIG).unwrap()),
+    });
+    let query = format!(
+        "{{ conversation(id: \"{conversation}\") {{ messages {{ parts {{ kind toolCall {{ id }} }} }} }} }}"
+    );
+    let before = store.read_statements();
+    let response = schema
+        .execute(
+            async_graphql::Request::new(query)
+                .data(Viewer {
+                    tenant: "acme".to_owned(),
+                    principal: "ada".to_owned(),
+                    expires_at: i64::MAX,
+                })
+                .data(RequestSnapshot::new(store.clone())),
+        )
+        .await;
+    assert!(response.errors.is_empty(), "{:?}", response.errors);
+    let statements = store.read_statements() - before;
+    assert!((1..10).contains(&statements), "{statements} statements");
 
     // Another tenant's parts stay out of reach.
     let globex = server.token("globex", "gus");
