@@ -196,7 +196,7 @@ impl Default for ApiConfig {
             max_title_chars: 200,
             max_request_bytes: 256 * 1024,
             max_query_depth: 16,
-            max_query_complexity: 20_000,
+            max_query_complexity: 50_000,
             max_aliases: 50,
             request_timeout_secs: 30.0,
             read_connections: 8,

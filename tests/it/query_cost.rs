@@ -80,7 +80,28 @@ async fn a_hundred_and_ten_aliases_are_refused_before_anything_runs() {
     let few = aliased(50, "me { tenant }");
     let data = server.gql(&token, &format!("{{ {few} }}"), json!({})).await;
     assert_eq!(data["a49"]["tenant"], "acme");
+
+    // A client's whole reload fits the default limits.
+    server.send(&token, &conversation, "hello").await;
+    let data = server
+        .gql(&token, RELOAD, json!({ "c": conversation }))
+        .await;
+    assert_eq!(data["conversation"]["messages"][0]["role"], "USER");
+    assert!(data["conversation"]["activeRun"]["id"].is_string());
 }
+
+/// Everything a client shows of a conversation, as a reload asks for it.
+const RELOAD: &str = r#"query($c: ID!) { conversation(id: $c) {
+  id agent title createdAt lastCursor
+  activeRun { id status endCause endReason cancelRequested attempt maxAttempts steps
+    error { code message httpStatus retryable } usage { inputTokens outputTokens costUsd } }
+  messages(last: 100) { id conversationId role runId createdAt
+    parts { id messageId index kind state text data interactionId
+      toolCall { id runId step name input status outcome output outputTruncated fullOutput
+        attempt idempotencyKey startedAt endedAt }
+      question { status questions { key prompt multiple allowOther options { value label description } }
+        answers { key values other } }
+      approval { toolName summary riskCategory input decision decidedBy decidedAt status } } } } }"#;
 
 #[tokio::test]
 async fn list_fields_cost_what_they_may_return() {
