@@ -69,7 +69,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[derive(Clone)]
 pub struct Store {
     db: DatabaseConnection,
-    /// The API's read snapshots only.
+    /// The API's reads only: snapshots and subscription catch-up.
     reads: DatabaseConnection,
     read_statements: Arc<AtomicU64>,
     bus: Bus,
@@ -147,6 +147,12 @@ impl Store {
         &self.db
     }
 
+    /// The API's read pool, for its reads outside a snapshot (subscription
+    /// catch-up), so that they too leave the workers' connections alone.
+    pub fn api_reads(&self) -> &DatabaseConnection {
+        &self.reads
+    }
+
     pub fn bus(&self) -> &Bus {
         &self.bus
     }
@@ -156,7 +162,7 @@ impl Store {
         self.writes.load(Ordering::Relaxed)
     }
 
-    /// Statements run in API read snapshots so far (for tests and
+    /// Statements run on the API's read pool so far (for tests and
     /// benchmarks).
     pub fn read_statements(&self) -> u64 {
         self.read_statements.load(Ordering::Relaxed)
@@ -387,7 +393,7 @@ mod tests {
         row.try_get_by_index(0).unwrap()
     }
 
-    /// The API's snapshots do not queue behind the workers' connections.
+    /// The API's reads do not queue behind the workers' connections.
     #[tokio::test]
     async fn snapshots_read_beside_a_busy_main_pool() {
         use sea_orm::TransactionTrait;
@@ -405,6 +411,16 @@ mod tests {
             .await
             .unwrap();
         assert!(row.is_some());
+        let read = tokio::time::timeout(
+            Duration::from_secs(10),
+            store
+                .api_reads()
+                .query_one_raw(Statement::from_string(store.backend(), "SELECT 1")),
+        )
+        .await
+        .expect("the API's other reads must not wait for the main pool either")
+        .unwrap();
+        assert!(read.is_some());
         drop(snapshot);
         drop(held);
         std::fs::remove_dir_all(dir).unwrap();
