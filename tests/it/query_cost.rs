@@ -298,3 +298,41 @@ async fn full_output_is_capped_with_a_marker() {
     assert!(marker.starts_with("1024 of "), "{marker}");
     assert!(marker.ends_with(" bytes shown]"), "{marker}");
 }
+
+/// On PostgreSQL a table lock held by another session stalls the API's read
+/// for as long as the test likes; on SQLite, whose readers nothing blocks,
+/// the extension's unit test (`api::cost`) covers the limit.
+#[tokio::test]
+async fn a_query_past_the_time_limit_gets_timeout_and_the_api_recovers() {
+    let server = server_with_api("request_timeout_secs = 1").await;
+    if !server.database_url().starts_with("postgres") {
+        return;
+    }
+    let token = server.token("acme", "ada");
+    let conversation = server.create_conversation(&token).await;
+    let blocker = sea_orm::Database::connect(server.database_url())
+        .await
+        .unwrap();
+    let lock = sea_orm::TransactionTrait::begin(&blocker).await.unwrap();
+    sea_orm::ConnectionTrait::execute_unprepared(
+        &lock,
+        "LOCK TABLE conversations IN ACCESS EXCLUSIVE MODE",
+    )
+    .await
+    .unwrap();
+    const READ: &str = "query($c: ID!) { conversation(id: $c) { id } }";
+    let (status, body) = server
+        .post(Some(&token), READ, json!({ "c": conversation }))
+        .await;
+    assert_eq!(status, 200, "{body}");
+    assert!(body.get("data").is_none_or(Value::is_null), "{body}");
+    let err = &body["errors"][0];
+    assert_eq!(err["extensions"]["code"], "TIMEOUT", "{body}");
+    assert_eq!(
+        err["message"],
+        "the query ran longer than the server's limit of 1 s"
+    );
+    lock.rollback().await.unwrap();
+    let data = server.gql(&token, READ, json!({ "c": conversation })).await;
+    assert_eq!(data["conversation"]["id"], conversation);
+}
