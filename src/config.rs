@@ -181,7 +181,18 @@ pub struct ApiConfig {
     /// Largest accepted HTTP request body, in bytes.
     pub max_request_bytes: usize,
     pub max_query_depth: usize,
+    /// The cost a request may add up to, list fields counted once per item
+    /// they may return.
     pub max_query_complexity: usize,
+    /// Aliased fields one request may hold, fragments counted where spread.
+    pub max_aliases: usize,
+    /// How long a query may run before it is answered with `TIMEOUT`.
+    pub request_timeout_secs: f64,
+    /// Connections of the pool the API reads through, apart from the
+    /// workers' pool.
+    pub read_connections: u32,
+    /// The most of `ToolCall.fullOutput` one field returns, in bytes.
+    pub max_full_output_bytes: usize,
     /// How often the server pings an idle WebSocket.
     pub ws_keepalive_secs: u64,
     /// How long a new WebSocket may take to send `connection_init`.
@@ -201,6 +212,13 @@ pub struct ApiConfig {
     pub max_connections: usize,
 }
 
+impl ApiConfig {
+    /// Valid once the configuration is: validation bounds the seconds.
+    pub fn request_timeout(&self) -> std::time::Duration {
+        std::time::Duration::from_secs_f64(self.request_timeout_secs)
+    }
+}
+
 impl Default for ApiConfig {
     fn default() -> Self {
         ApiConfig {
@@ -208,7 +226,11 @@ impl Default for ApiConfig {
             max_title_chars: 200,
             max_request_bytes: 256 * 1024,
             max_query_depth: 16,
-            max_query_complexity: 1_000,
+            max_query_complexity: 50_000,
+            max_aliases: 50,
+            request_timeout_secs: 30.0,
+            read_connections: 8,
+            max_full_output_bytes: 1024 * 1024,
             ws_keepalive_secs: 15,
             ws_init_timeout_secs: 10,
             ws_max_operations: 100,
@@ -729,6 +751,15 @@ impl FileConfig {
             1,
             3_600,
         )?;
+        at_least("api.max_aliases", api.max_aliases, 1)?;
+        positive("api.request_timeout_secs", api.request_timeout_secs)?;
+        at_most(
+            "api.request_timeout_secs",
+            api.request_timeout_secs,
+            MAX_REQUEST_TIMEOUT_SECS,
+        )?;
+        at_least("api.read_connections", api.read_connections, 1)?;
+        at_least("api.max_full_output_bytes", api.max_full_output_bytes, 1024)?;
         at_least("api.ws_max_operations", api.ws_max_operations, 1)?;
         between(
             "api.ws_send_timeout_secs",
@@ -1037,6 +1068,9 @@ fn non_negative(key: &str, value: f64) -> Result<(), ConfigError> {
     }
 }
 
+/// A day: far beyond any useful query, and small enough for a `Duration`.
+const MAX_REQUEST_TIMEOUT_SECS: f64 = 86_400.0;
+
 fn at_least<T: PartialOrd + std::fmt::Display>(
     key: &str,
     value: T,
@@ -1300,6 +1334,27 @@ mod tests {
         assert_eq!(config.database_url, DEFAULT_DATABASE_URL);
         assert_eq!(config.listen.to_string(), DEFAULT_LISTEN);
         assert!(config.jwt_secret.is_none());
+    }
+
+    #[test]
+    fn query_cost_keys_are_bounded() {
+        let err = message(load_with("[api]\nrequest_timeout_secs = 1e300\n", &[]));
+        assert!(err.contains("api.request_timeout_secs"), "{err}");
+        let err = message(load_with("[api]\nrequest_timeout_secs = 0\n", &[]));
+        assert!(err.contains("api.request_timeout_secs"), "{err}");
+        let err = message(load_with("[api]\nmax_aliases = 0\n", &[]));
+        assert!(err.contains("api.max_aliases"), "{err}");
+        let err = message(load_with("[api]\nread_connections = 0\n", &[]));
+        assert!(err.contains("api.read_connections"), "{err}");
+        let config = load_with(
+            "[api]\nrequest_timeout_secs = 0.25\n[[agents]]\nname = \"a\"\nprovider = \"scripted\"\n",
+            &[],
+        )
+        .unwrap();
+        assert_eq!(
+            config.file.api.request_timeout(),
+            std::time::Duration::from_millis(250)
+        );
     }
 
     #[test]

@@ -24,9 +24,13 @@ pub enum Role {
 }
 
 pub async fn open_store(config: &Config) -> anyhow::Result<Store> {
-    let store = Store::connect(&config.database_url, Bus::new())
-        .await
-        .context("cannot connect to the database")?;
+    let store = Store::connect_with(
+        &config.database_url,
+        Bus::new(),
+        config.file.api.read_connections,
+    )
+    .await
+    .context("cannot connect to the database")?;
     store.migrate().await.context("migrations failed")?;
     Ok(store)
 }

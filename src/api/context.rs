@@ -1,21 +1,26 @@
 //! What a resolver can reach: the caller, the store, the configuration, and a
 //! per-request read snapshot.
 
+use std::collections::HashMap;
 use std::ops::Deref;
 use std::sync::Arc;
 
+use async_graphql::dataloader::{DataLoader, Loader};
 use async_graphql::extensions::{
     Extension, ExtensionContext, ExtensionFactory, NextPrepareRequest,
 };
 use async_graphql::parser::types::OperationType;
 use async_graphql::{Context, Request, ServerResult};
+use futures_util::future::BoxFuture;
 use sea_orm::DatabaseTransaction;
 use tokio::sync::OnceCell;
+use uuid::Uuid;
 
 use super::auth::Viewer;
 use super::error::{ApiError, ApiResult};
 use crate::config::FileConfig;
-use crate::store::Store;
+use crate::store::entities::{interaction, tool_call};
+use crate::store::{self, Store, reads};
 
 /// Shared by every request.
 #[derive(Clone)]
@@ -25,17 +30,143 @@ pub struct Services {
 }
 
 /// One read-only transaction per request, begun on first use, so that every
-/// field of a query reads the same snapshot.
+/// field of a query reads the same snapshot; the request's batched look-ups
+/// read through it too.
 pub struct RequestSnapshot {
+    shared: Arc<SharedSnapshot>,
+    by_part: DataLoader<PartLoader>,
+}
+
+struct SharedSnapshot {
     store: Store,
     tx: OnceCell<DatabaseTransaction>,
 }
 
+impl SharedSnapshot {
+    async fn tx(&self) -> ApiResult<&DatabaseTransaction> {
+        Ok(self
+            .tx
+            .get_or_try_init(|| self.store.begin_snapshot())
+            .await?)
+    }
+}
+
 impl RequestSnapshot {
     pub fn new(store: Store) -> RequestSnapshot {
-        RequestSnapshot {
+        let shared = Arc::new(SharedSnapshot {
             store,
             tx: OnceCell::new(),
+        });
+        RequestSnapshot {
+            by_part: DataLoader::new(
+                PartLoader {
+                    snapshot: shared.clone(),
+                },
+                tokio::spawn,
+            ),
+            shared,
+        }
+    }
+}
+
+/// What a part shows, read for every part of a request at once.
+pub trait ShownByPart: Default + Clone + Eq + std::hash::Hash + Send + Sync + 'static {
+    type Row: Clone + Send + Sync + 'static;
+    fn read<'a>(
+        db: &'a DatabaseTransaction,
+        tenant: &'a str,
+        parts: &'a [Uuid],
+    ) -> BoxFuture<'a, store::Result<HashMap<Uuid, Self::Row>>>;
+}
+
+/// The tool call of a `TOOL_CALL` part.
+#[derive(Default, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ToolCallOfPart;
+
+impl ShownByPart for ToolCallOfPart {
+    type Row = tool_call::Model;
+    fn read<'a>(
+        db: &'a DatabaseTransaction,
+        tenant: &'a str,
+        parts: &'a [Uuid],
+    ) -> BoxFuture<'a, store::Result<HashMap<Uuid, tool_call::Model>>> {
+        Box::pin(reads::tool_calls_of_parts(db, tenant, parts))
+    }
+}
+
+/// The interaction of a `QUESTION` or `APPROVAL` part.
+#[derive(Default, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct InteractionOfPart;
+
+impl ShownByPart for InteractionOfPart {
+    type Row = interaction::Model;
+    fn read<'a>(
+        db: &'a DatabaseTransaction,
+        tenant: &'a str,
+        parts: &'a [Uuid],
+    ) -> BoxFuture<'a, store::Result<HashMap<Uuid, interaction::Model>>> {
+        Box::pin(reads::interactions_of_parts(db, tenant, parts))
+    }
+}
+
+/// A part of a tenant: the tenant travels with the key, so a batch reads
+/// each tenant's rows only for that tenant.
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct PartKey<S> {
+    tenant: Arc<str>,
+    part: Uuid,
+    shown: S,
+}
+
+pub struct PartLoader {
+    snapshot: Arc<SharedSnapshot>,
+}
+
+impl<S: ShownByPart> Loader<PartKey<S>> for PartLoader {
+    type Value = S::Row;
+    type Error = ApiError;
+
+    async fn load(&self, keys: &[PartKey<S>]) -> ApiResult<HashMap<PartKey<S>, S::Row>> {
+        let db = self.snapshot.tx().await?;
+        let mut by_tenant: HashMap<&Arc<str>, Vec<Uuid>> = HashMap::new();
+        for key in keys {
+            by_tenant.entry(&key.tenant).or_default().push(key.part);
+        }
+        let mut found = HashMap::with_capacity(keys.len());
+        for (tenant, parts) in by_tenant {
+            for (part, row) in S::read(db, tenant, &parts).await? {
+                let key = PartKey {
+                    tenant: tenant.clone(),
+                    part,
+                    shown: S::default(),
+                };
+                found.insert(key, row);
+            }
+        }
+        Ok(found)
+    }
+}
+
+/// What a part shows, batched with the request's other parts where the
+/// request has a snapshot, else read on its own.
+pub async fn shown_by_part<S: ShownByPart>(
+    ctx: &Context<'_>,
+    shown: S,
+    part: Uuid,
+) -> ApiResult<Option<S::Row>> {
+    let tenant = &viewer(ctx)?.tenant;
+    match ctx.data_opt::<RequestSnapshot>() {
+        Some(request) => {
+            let key = PartKey {
+                tenant: Arc::from(tenant.as_str()),
+                part,
+                shown,
+            };
+            request.by_part.load_one(key).await
+        }
+        None => {
+            let db = snapshot(ctx).await?;
+            Ok(S::read(&db, tenant, &[part]).await?.remove(&part))
         }
     }
 }
@@ -100,13 +231,7 @@ impl Deref for Snapshot<'_> {
 
 pub async fn snapshot<'a>(ctx: &Context<'a>) -> ApiResult<Snapshot<'a>> {
     match ctx.data_opt::<RequestSnapshot>() {
-        Some(shared) => {
-            let tx = shared
-                .tx
-                .get_or_try_init(|| shared.store.begin_snapshot())
-                .await?;
-            Ok(Snapshot::Shared(tx))
-        }
+        Some(request) => Ok(Snapshot::Shared(request.shared.tx().await?)),
         None => Ok(Snapshot::Own(services(ctx).store.begin_snapshot().await?)),
     }
 }

@@ -35,7 +35,7 @@ pub fn follow(store: Store, request: FeedRequest) -> impl Stream<Item = Result<A
         // Read after registering on the bus: a run that ends later is seen
         // live; one that has already ended has its whole story in the log.
         let catch_up_only = match run_id {
-            Some(id) => match reads::run(store.db(), &tenant, id).await? {
+            Some(id) => match reads::run(store.api_reads(), &tenant, id).await? {
                 Some(run) => reads::run_status(&run)?.is_ended(),
                 None => true,
             },
@@ -44,7 +44,7 @@ pub fn follow(store: Store, request: FeedRequest) -> impl Stream<Item = Result<A
         let mut last = match after {
             Some(cursor) => cursor,
             None => {
-                let row = reads::conversation(store.db(), &tenant, conversation_id).await?;
+                let row = reads::conversation(store.api_reads(), &tenant, conversation_id).await?;
                 Cursor(row.map_or(0, |c| c.event_seq))
             }
         };
@@ -55,7 +55,7 @@ pub fn follow(store: Store, request: FeedRequest) -> impl Stream<Item = Result<A
         let mut behind = after.is_some();
         loop {
             if behind {
-                let page = reads::events_after(store.db(), &tenant, conversation_id, last, PAGE).await?;
+                let page = reads::events_after(store.api_reads(), &tenant, conversation_id, last, PAGE).await?;
                 behind = page.len() as u64 == PAGE;
                 for event in page {
                     last = event.cursor;
@@ -80,7 +80,7 @@ pub fn follow(store: Store, request: FeedRequest) -> impl Stream<Item = Result<A
                 // The bus only hears this process; another one (a worker of
                 // a split deployment, or any instance on SQLite) may have
                 // written. A cheap look at the log's head now and then.
-                let head = reads::conversation(store.db(), &tenant, conversation_id).await?;
+                let head = reads::conversation(store.api_reads(), &tenant, conversation_id).await?;
                 behind = head.is_some_and(|c| c.event_seq > last.0);
                 continue;
             };

@@ -2,6 +2,7 @@
 
 pub mod auth;
 pub mod context;
+pub mod cost;
 pub mod error;
 pub mod events;
 mod feed;
@@ -22,6 +23,7 @@ use axum::routing::get;
 use crate::config::ApiConfig;
 use auth::Authenticator;
 use context::{Services, Snapshots};
+use cost::QueryCost;
 use error::ErrorCodes;
 use mutation::Mutation;
 use query::Query;
@@ -45,6 +47,14 @@ pub fn schema(services: Services) -> TetherSchema {
         .limit_complexity(limits.max_query_complexity)
         .extension(ErrorCodes)
         .extension(Snapshots(services.store.clone()))
+        .extension(QueryCost {
+            max_aliases: limits.max_aliases,
+            // Validation walks every field of the expanded document; one
+            // with more fields than the complexity limit allows is refused
+            // before that walk.
+            max_fields: limits.max_query_complexity,
+            timeout: limits.request_timeout(),
+        })
         .data(services.clone())
         .finish()
 }

@@ -1,6 +1,7 @@
 use async_graphql::{Context, ID, Object, SimpleObject};
 
 use super::context::{services, snapshot, viewer};
+use super::cost;
 use super::error::{ApiError, ApiResult};
 use super::events::{EventPage, TransportEvent};
 use super::types::{
@@ -66,6 +67,7 @@ impl Query {
     }
 
     /// Newest first.
+    #[graphql(complexity = "cost::list(first, child_complexity)")]
     async fn conversations(
         &self,
         ctx: &Context<'_>,
@@ -152,6 +154,7 @@ impl Query {
 
     /// Persisted events of a conversation after `after` (from the first
     /// event without it), oldest first.
+    #[graphql(complexity = "cost::list(first, child_complexity)")]
     async fn events(
         &self,
         ctx: &Context<'_>,

@@ -40,7 +40,7 @@ impl Subscription {
         let tenant = viewer(ctx)?.tenant.clone();
         let store = services(ctx).store.clone();
         let conversation_id = parse_id(&conversation_id).ok_or(ApiError::NotFound)?;
-        reads::conversation(store.db(), &tenant, conversation_id)
+        reads::conversation(store.api_reads(), &tenant, conversation_id)
             .await?
             .ok_or(ApiError::NotFound)?;
         let request = FeedRequest {
@@ -63,7 +63,7 @@ impl Subscription {
         let tenant = viewer(ctx)?.tenant.clone();
         let store = services(ctx).store.clone();
         let run_id = parse_id(&run_id).ok_or(ApiError::NotFound)?;
-        let run = reads::run(store.db(), &tenant, run_id)
+        let run = reads::run(store.api_reads(), &tenant, run_id)
             .await?
             .ok_or(ApiError::NotFound)?;
         let request = FeedRequest {

@@ -3,7 +3,10 @@
 use async_graphql::{Context, ID, Json, Object, Scalar, ScalarType, Value};
 use uuid::Uuid;
 
-use super::context::{snapshot, viewer};
+use super::context::{
+    InteractionOfPart, ToolCallOfPart, services, shown_by_part, snapshot, viewer,
+};
+use super::cost;
 use super::error::{ApiError, ApiResult};
 use crate::domain::cursor::Cursor;
 use crate::domain::interaction::{Answer, ApprovalDecision, InteractionStatus, QuestionSpec};
@@ -65,6 +68,7 @@ impl Conversation {
     }
 
     /// The last `last` messages (before `before`, when given), oldest first.
+    #[graphql(complexity = "cost::list(last, child_complexity)")]
     async fn messages(
         &self,
         ctx: &Context<'_>,
@@ -92,11 +96,19 @@ impl Conversation {
             .collect())
     }
 
-    /// Every run of the conversation, oldest first.
-    async fn runs(&self, ctx: &Context<'_>) -> ApiResult<Vec<Run>> {
+    /// The last `last` runs of the conversation, oldest first.
+    #[graphql(complexity = "cost::list(last, child_complexity)")]
+    async fn runs(
+        &self,
+        ctx: &Context<'_>,
+        #[graphql(default = 100)] last: i32,
+    ) -> ApiResult<Vec<Run>> {
+        if !(0..=500).contains(&last) {
+            return Err(ApiError::bad_key("last", "last must be between 0 and 500"));
+        }
         let tenant = &viewer(ctx)?.tenant;
         let db = snapshot(ctx).await?;
-        let rows = reads::runs_of(&*db, tenant, self.0.id).await?;
+        let rows = reads::runs_of(&*db, tenant, self.0.id, last as u64).await?;
         Ok(rows.into_iter().map(Run).collect())
     }
 
@@ -168,6 +180,7 @@ impl Message {
     }
 
     /// The message's parts, in order.
+    #[graphql(complexity = "cost::list(cost::PARTS_PER_MESSAGE, child_complexity)")]
     async fn parts(&self, ctx: &Context<'_>) -> ApiResult<Vec<Part>> {
         let rows = match &self.parts {
             Some(rows) => rows.clone(),
@@ -246,18 +259,14 @@ impl Part {
         if self.0.kind != PartKind::ToolCall.as_str() {
             return Ok(None);
         }
-        let tenant = &viewer(ctx)?.tenant;
-        let db = snapshot(ctx).await?;
-        let row = reads::tool_call_of_part(&*db, tenant, self.0.id).await?;
+        let row = shown_by_part(ctx, ToolCallOfPart, self.0.id).await?;
         Ok(row.map(ToolCall))
     }
 }
 
 impl Part {
     async fn interaction(&self, ctx: &Context<'_>) -> ApiResult<Option<Interaction>> {
-        let tenant = &viewer(ctx)?.tenant;
-        let db = snapshot(ctx).await?;
-        let row = reads::interaction_of_part(&*db, tenant, self.0.id).await?;
+        let row = shown_by_part(ctx, InteractionOfPart, self.0.id).await?;
         Ok(row.map(Interaction))
     }
 }
@@ -316,9 +325,14 @@ impl ToolCall {
         self.0.output_truncated
     }
 
-    /// The whole output when `output` was truncated (its JSON text).
-    async fn full_output(&self) -> Option<&str> {
-        self.0.full_output.as_deref()
+    /// The whole output when `output` was truncated (its JSON text), cut
+    /// with a marker past the server's `max_full_output_bytes`.
+    async fn full_output(&self, ctx: &Context<'_>) -> Option<String> {
+        let cap = services(ctx).config.api.max_full_output_bytes;
+        self.0
+            .full_output
+            .as_deref()
+            .map(|text| cost::capped(text, cap))
     }
 
     /// EXECUTING commits so far; 0 = never started.
@@ -398,6 +412,7 @@ impl Run {
     }
 
     /// The run's tool calls, in the order the model asked for them.
+    #[graphql(complexity = "cost::list(cost::TOOL_CALLS_PER_RUN, child_complexity)")]
     async fn tool_calls(&self, ctx: &Context<'_>) -> ApiResult<Vec<ToolCall>> {
         let tenant = &viewer(ctx)?.tenant;
         let db = snapshot(ctx).await?;

@@ -69,6 +69,9 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[derive(Clone)]
 pub struct Store {
     db: DatabaseConnection,
+    /// The API's reads only: snapshots and subscription catch-up.
+    reads: DatabaseConnection,
+    read_statements: Arc<AtomicU64>,
     bus: Bus,
     writes: Arc<AtomicU64>,
     /// SQLite has one writer: writers of this process queue here instead of
@@ -76,36 +79,62 @@ pub struct Store {
     write_lane: Option<Arc<Mutex<()>>>,
 }
 
+/// API read connections when the caller does not say.
+pub const DEFAULT_READ_CONNECTIONS: u32 = 8;
+
+/// On SQLite, WAL, a busy timeout, the file created if missing, and foreign
+/// keys; on every backend, a pool of at most `max` connections.
+fn connect_options(url: &str, max: u32, min: u32) -> ConnectOptions {
+    let mut options = ConnectOptions::new(url.to_owned());
+    options
+        .sqlx_logging(false)
+        .acquire_timeout(Duration::from_secs(30))
+        .max_connections(max)
+        .min_connections(min);
+    if url.starts_with("sqlite:") {
+        options.map_sqlx_sqlite_opts(|o| {
+            o.journal_mode(SqliteJournalMode::Wal)
+                .synchronous(SqliteSynchronous::Normal)
+                .busy_timeout(Duration::from_secs(10))
+                .create_if_missing(true)
+                .foreign_keys(true)
+        });
+    }
+    options
+}
+
 /// The right to write, held until a write's commit (SQLite only).
 pub(crate) type WriteLane = Option<OwnedMutexGuard<()>>;
 
 impl Store {
-    /// Connects with settings fit for concurrent use: on SQLite, WAL, a busy
-    /// timeout, the file created if missing, and a pool larger than one.
+    /// Connects with settings fit for concurrent use, and with the default
+    /// pool for API reads.
     pub async fn connect(url: &str, bus: Bus) -> Result<Store> {
-        let mut options = ConnectOptions::new(url.to_owned());
-        options
-            .sqlx_logging(false)
-            .acquire_timeout(Duration::from_secs(30));
-        if url.starts_with("sqlite:") {
-            options.max_connections(8).min_connections(1);
-            options.map_sqlx_sqlite_opts(|o| {
-                o.journal_mode(SqliteJournalMode::Wal)
-                    .synchronous(SqliteSynchronous::Normal)
-                    .busy_timeout(Duration::from_secs(10))
-                    .create_if_missing(true)
-                    .foreign_keys(true)
-            });
-        } else {
-            options.max_connections(16).min_connections(1);
-        }
-        let write_lane = url.starts_with("sqlite:").then(Arc::default);
-        let db = Database::connect(options).await?;
+        Store::connect_with(url, bus, DEFAULT_READ_CONNECTIONS).await
+    }
+
+    /// Connects two pools: one for writes and the workers' reads, and one of
+    /// `read_connections` for the API's read snapshots, so that expensive
+    /// queries wait for connections of their own and never for the workers'.
+    /// On SQLite, WAL lets those snapshots read beside the writer.
+    pub async fn connect_with(url: &str, bus: Bus, read_connections: u32) -> Result<Store> {
+        let sqlite = url.starts_with("sqlite:");
+        let main = if sqlite { 8 } else { 16 };
+        let db = Database::connect(connect_options(url, main, 1)).await?;
+        // After the main pool, which has created the file and turned WAL on.
+        let mut reads = Database::connect(connect_options(url, read_connections, 0)).await?;
+        let read_statements = Arc::new(AtomicU64::new(0));
+        let counter = read_statements.clone();
+        reads.set_metric_callback(move |_| {
+            counter.fetch_add(1, Ordering::Relaxed);
+        });
         Ok(Store {
             db,
+            reads,
+            read_statements,
             bus,
             writes: Arc::default(),
-            write_lane,
+            write_lane: sqlite.then(Arc::default),
         })
     }
 
@@ -118,6 +147,12 @@ impl Store {
         &self.db
     }
 
+    /// The API's read pool, for its reads outside a snapshot (subscription
+    /// catch-up), so that they too leave the workers' connections alone.
+    pub fn api_reads(&self) -> &DatabaseConnection {
+        &self.reads
+    }
+
     pub fn bus(&self) -> &Bus {
         &self.bus
     }
@@ -125,6 +160,12 @@ impl Store {
     /// Write transactions begun by this store so far (for benchmarks).
     pub fn write_transactions(&self) -> u64 {
         self.writes.load(Ordering::Relaxed)
+    }
+
+    /// Statements run on the API's read pool so far (for tests and
+    /// benchmarks).
+    pub fn read_statements(&self) -> u64 {
+        self.read_statements.load(Ordering::Relaxed)
     }
 
     /// Waits for this process's turn to write and counts the write. Every
@@ -167,7 +208,8 @@ impl Store {
         })
     }
 
-    /// Begins a read-only transaction whose reads all see one snapshot.
+    /// Begins a read-only transaction whose reads all see one snapshot, on
+    /// the API's pool.
     pub async fn begin_snapshot(&self) -> Result<DatabaseTransaction> {
         let options = match self.backend() {
             DatabaseBackend::Postgres => TransactionOptions {
@@ -179,7 +221,7 @@ impl Store {
             // from its first statement on.
             _ => TransactionOptions::default(),
         };
-        Ok(self.db.begin_with_options(options).await?)
+        Ok(self.reads.begin_with_options(options).await?)
     }
 
     /// Commits, then announces the transaction's events on the bus. This is
@@ -361,6 +403,8 @@ pub(crate) mod test_support {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use sea_orm::{ConnectionTrait, Statement};
 
     use super::Store;
@@ -375,6 +419,39 @@ mod tests {
             .unwrap()
             .unwrap();
         row.try_get_by_index(0).unwrap()
+    }
+
+    /// The API's reads do not queue behind the workers' connections.
+    #[tokio::test]
+    async fn snapshots_read_beside_a_busy_main_pool() {
+        use sea_orm::TransactionTrait;
+        let (store, dir) = temp_store().await;
+        let mut held = Vec::new();
+        for _ in 0..8 {
+            held.push(store.db().begin().await.unwrap());
+        }
+        let snapshot = tokio::time::timeout(Duration::from_secs(10), store.begin_snapshot())
+            .await
+            .expect("a snapshot must not wait for the main pool")
+            .unwrap();
+        let row = snapshot
+            .query_one_raw(Statement::from_string(store.backend(), "SELECT 1"))
+            .await
+            .unwrap();
+        assert!(row.is_some());
+        let read = tokio::time::timeout(
+            Duration::from_secs(10),
+            store
+                .api_reads()
+                .query_one_raw(Statement::from_string(store.backend(), "SELECT 1")),
+        )
+        .await
+        .expect("the API's other reads must not wait for the main pool either")
+        .unwrap();
+        assert!(read.is_some());
+        drop(snapshot);
+        drop(held);
+        std::fs::remove_dir_all(dir).unwrap();
     }
 
     #[tokio::test]

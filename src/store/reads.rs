@@ -126,18 +126,22 @@ pub async fn run<C: ConnectionTrait>(db: &C, tenant: &str, id: Uuid) -> Result<O
     owned::<run::Entity, _>(db, run::Column::Tenant, tenant, id).await
 }
 
-/// A conversation's runs, oldest first.
+/// A conversation's last `last` runs, oldest first.
 pub async fn runs_of<C: ConnectionTrait>(
     db: &C,
     tenant: &str,
     conversation_id: Uuid,
+    last: u64,
 ) -> Result<Vec<run::Model>> {
-    Ok(run::Entity::find()
+    let mut rows = run::Entity::find()
         .filter(run::Column::Tenant.eq(tenant))
         .filter(run::Column::ConversationId.eq(conversation_id))
-        .order_by(run::Column::Id, Order::Asc)
+        .order_by(run::Column::Id, Order::Desc)
+        .limit(last)
         .all(db)
-        .await?)
+        .await?;
+    rows.reverse();
+    Ok(rows)
 }
 
 /// A conversation's runs that have not ended, oldest first.
@@ -225,17 +229,43 @@ pub async fn tool_calls_of_run<C: ConnectionTrait>(
         .await?)
 }
 
-/// The tool call a `TOOL_CALL` part shows.
-pub async fn tool_call_of_part<C: ConnectionTrait>(
+/// The tool calls that `TOOL_CALL` parts show, by part, in one query.
+pub async fn tool_calls_of_parts<C: ConnectionTrait>(
     db: &C,
     tenant: &str,
-    part_id: Uuid,
-) -> Result<Option<tool_call::Model>> {
-    Ok(tool_call::Entity::find()
-        .filter(tool_call::Column::Tenant.eq(tenant))
-        .filter(tool_call::Column::PartId.eq(part_id))
-        .one(db)
-        .await?)
+    part_ids: &[Uuid],
+) -> Result<HashMap<Uuid, tool_call::Model>> {
+    by_part::<tool_call::Entity, _>(
+        db,
+        (tool_call::Column::Tenant, tool_call::Column::PartId),
+        tenant,
+        part_ids,
+        |row| row.part_id,
+    )
+    .await
+}
+
+/// Rows of `tenant` shown by the given parts, by part, in one query.
+async fn by_part<E, C>(
+    db: &C,
+    (tenant_column, part_column): (E::Column, E::Column),
+    tenant: &str,
+    part_ids: &[Uuid],
+    part_of: fn(&E::Model) -> Uuid,
+) -> Result<HashMap<Uuid, E::Model>>
+where
+    E: EntityTrait,
+    C: ConnectionTrait,
+{
+    if part_ids.is_empty() {
+        return Ok(HashMap::new());
+    }
+    let rows = E::find()
+        .filter(tenant_column.eq(tenant))
+        .filter(part_column.is_in(part_ids.iter().copied()))
+        .all(db)
+        .await?;
+    Ok(rows.into_iter().map(|row| (part_of(&row), row)).collect())
 }
 
 /// An interaction of the tenant.
@@ -272,17 +302,21 @@ pub async fn interactions_of_run<C: ConnectionTrait>(
     Ok(rows)
 }
 
-/// The interaction a QUESTION or APPROVAL part shows.
-pub async fn interaction_of_part<C: ConnectionTrait>(
+/// The interactions that QUESTION and APPROVAL parts show, by part, in one
+/// query.
+pub async fn interactions_of_parts<C: ConnectionTrait>(
     db: &C,
     tenant: &str,
-    part_id: Uuid,
-) -> Result<Option<interaction::Model>> {
-    Ok(interaction::Entity::find()
-        .filter(interaction::Column::Tenant.eq(tenant))
-        .filter(interaction::Column::PartId.eq(part_id))
-        .one(db)
-        .await?)
+    part_ids: &[Uuid],
+) -> Result<HashMap<Uuid, interaction::Model>> {
+    by_part::<interaction::Entity, _>(
+        db,
+        (interaction::Column::Tenant, interaction::Column::PartId),
+        tenant,
+        part_ids,
+        |row| row.part_id,
+    )
+    .await
 }
 
 /// A conversation's interactions, by the part that shows each.

@@ -243,7 +243,10 @@ mod tests {
             });
             http::install_tls();
             let request = reqwest::Client::new().post(url);
-            attempt(request).await.map_err(|t| t.error)
+            attempt(request, 1024 * 1024)
+                .await
+                .map(|outcome| outcome.effect)
+                .map_err(|t| t.error)
         })
     }
 

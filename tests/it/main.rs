@@ -16,6 +16,7 @@ mod interactions;
 mod model_history;
 mod provider_tools;
 mod providers;
+mod query_cost;
 mod retries;
 mod runs;
 mod schema_drift;

@@ -472,6 +472,11 @@ impl Server {
         self.options.config = config;
     }
 
+    /// The server's database, for tests that read it in process.
+    pub fn database_url(&self) -> &str {
+        &self.db.url
+    }
+
     pub fn token(&self, tenant: &str, sub: &str) -> String {
         self.auth
             .mint(tenant, sub, Duration::from_secs(3600))

@@ -1,0 +1,306 @@
+//! What a request may cost: list fields counted once per item they may
+//! return, a cap on aliases, and a time limit on queries.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use async_graphql::extensions::{
+    Extension, ExtensionContext, ExtensionFactory, NextExecute, NextParseQuery,
+};
+use async_graphql::parser::types::{ExecutableDocument, OperationType, Selection, SelectionSet};
+use async_graphql::{Name, Response, ServerError, ServerResult, Variables};
+
+use super::error::bad_request;
+
+/// What the complexity count assumes for lists with no argument that bounds
+/// them: a message's parts and a run's tool calls.
+pub const PARTS_PER_MESSAGE: i32 = 4;
+pub const TOOL_CALLS_PER_RUN: i32 = 4;
+
+/// No single field counts more than this, so that sums of counts cannot
+/// overflow however the document nests.
+const MAX_FIELD_COST: usize = u32::MAX as usize;
+
+/// The complexity of a list field that returns up to `items` items, each
+/// costing `child_complexity`.
+pub fn list(items: i32, child_complexity: usize) -> usize {
+    usize::try_from(items)
+        .unwrap_or(0)
+        .saturating_mul(child_complexity)
+        .saturating_add(1)
+        .min(MAX_FIELD_COST)
+}
+
+/// `text` whole when it fits in `cap` bytes, else its first bytes up to a
+/// character boundary and a marker that says how much was cut.
+pub fn capped(text: &str, cap: usize) -> String {
+    if text.len() <= cap {
+        return text.to_owned();
+    }
+    let mut end = cap;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!(
+        "{}\n[truncated by the server: {} of {} bytes shown]",
+        &text[..end],
+        end,
+        text.len()
+    )
+}
+
+/// Refuses documents with too many aliases (or too many fields once
+/// fragments are expanded) before they are validated, and answers queries
+/// that run past the time limit with a `TIMEOUT` error.
+pub struct QueryCost {
+    pub max_aliases: usize,
+    pub max_fields: usize,
+    pub timeout: Duration,
+}
+
+impl ExtensionFactory for QueryCost {
+    fn create(&self) -> Arc<dyn Extension> {
+        Arc::new(RequestCost {
+            max_aliases: self.max_aliases,
+            max_fields: self.max_fields,
+            timeout: self.timeout,
+            only_queries: AtomicBool::new(false),
+        })
+    }
+}
+
+struct RequestCost {
+    max_aliases: usize,
+    max_fields: usize,
+    timeout: Duration,
+    /// Whether the document holds queries only. Mutations are not cut off:
+    /// one that committed must not be answered as if it had not.
+    only_queries: AtomicBool,
+}
+
+#[async_trait::async_trait]
+impl Extension for RequestCost {
+    async fn parse_query(
+        &self,
+        ctx: &ExtensionContext<'_>,
+        query: &str,
+        variables: &Variables,
+        next: NextParseQuery<'_>,
+    ) -> ServerResult<ExecutableDocument> {
+        let document = next.run(ctx, query, variables).await?;
+        let size = DocumentSize::of(&document);
+        if size.aliases > self.max_aliases {
+            return Err(bad_request(format!(
+                "the query uses more than {} aliases",
+                self.max_aliases
+            )));
+        }
+        if size.fields > self.max_fields {
+            return Err(bad_request(format!(
+                "the query selects more than {} fields once its fragments are expanded",
+                self.max_fields
+            )));
+        }
+        let only_queries = document
+            .operations
+            .iter()
+            .all(|(_, op)| op.node.ty == OperationType::Query);
+        self.only_queries.store(only_queries, Ordering::Relaxed);
+        Ok(document)
+    }
+
+    async fn execute(
+        &self,
+        ctx: &ExtensionContext<'_>,
+        operation_name: Option<&str>,
+        next: NextExecute<'_>,
+    ) -> Response {
+        if !self.only_queries.load(Ordering::Relaxed) {
+            return next.run(ctx, operation_name).await;
+        }
+        match tokio::time::timeout(self.timeout, next.run(ctx, operation_name)).await {
+            Ok(response) => response,
+            Err(_) => Response::from_errors(vec![timed_out(self.timeout)]),
+        }
+    }
+}
+
+fn timed_out(limit: Duration) -> ServerError {
+    let mut err = ServerError::new(
+        format!(
+            "the query ran longer than the server's limit of {} s",
+            limit.as_secs_f64()
+        ),
+        None,
+    );
+    err.extensions
+        .get_or_insert_with(Default::default)
+        .set("code", "TIMEOUT");
+    err
+}
+
+/// Aliases and fields of a document as it executes, each fragment counted
+/// wherever it is spread. Counts saturate, so a fragment that doubles at
+/// every level is refused rather than counted for ever.
+#[derive(Clone, Copy, Default)]
+struct DocumentSize {
+    aliases: usize,
+    fields: usize,
+}
+
+impl DocumentSize {
+    fn of(document: &ExecutableDocument) -> DocumentSize {
+        let mut walk = Walk {
+            document,
+            fragments: HashMap::new(),
+        };
+        document
+            .operations
+            .iter()
+            .map(|(_, op)| walk.selections(&op.node.selection_set.node))
+            .fold(DocumentSize::default(), DocumentSize::plus)
+    }
+
+    fn plus(self, other: DocumentSize) -> DocumentSize {
+        DocumentSize {
+            aliases: self.aliases.saturating_add(other.aliases),
+            fields: self.fields.saturating_add(other.fields),
+        }
+    }
+}
+
+struct Walk<'a> {
+    document: &'a ExecutableDocument,
+    /// Each fragment's size once known; `None` while it is being walked, so
+    /// a cycle (which validation refuses later) counts nothing.
+    fragments: HashMap<&'a Name, Option<DocumentSize>>,
+}
+
+impl<'a> Walk<'a> {
+    fn selections(&mut self, set: &'a SelectionSet) -> DocumentSize {
+        let mut size = DocumentSize::default();
+        for item in &set.items {
+            let inner = match &item.node {
+                Selection::Field(field) => DocumentSize {
+                    aliases: usize::from(field.node.alias.is_some()),
+                    fields: 1,
+                }
+                .plus(self.selections(&field.node.selection_set.node)),
+                Selection::InlineFragment(fragment) => {
+                    self.selections(&fragment.node.selection_set.node)
+                }
+                Selection::FragmentSpread(spread) => self.fragment(&spread.node.fragment_name.node),
+            };
+            size = size.plus(inner);
+        }
+        size
+    }
+
+    fn fragment(&mut self, name: &'a Name) -> DocumentSize {
+        if let Some(known) = self.fragments.get(name) {
+            return known.unwrap_or_default();
+        }
+        let Some(definition) = self.document.fragments.get(name) else {
+            return DocumentSize::default();
+        };
+        self.fragments.insert(name, None);
+        let size = self.selections(&definition.node.selection_set.node);
+        self.fragments.insert(name, Some(size));
+        size
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use async_graphql::{EmptyMutation, EmptySubscription, Object, Schema};
+
+    use super::*;
+
+    struct Slow;
+
+    #[Object]
+    impl Slow {
+        async fn quick(&self) -> i32 {
+            1
+        }
+
+        async fn never(&self) -> i32 {
+            std::future::pending::<()>().await;
+            0
+        }
+    }
+
+    fn schema(timeout: Duration) -> Schema<Slow, EmptyMutation, EmptySubscription> {
+        Schema::build(Slow, EmptyMutation, EmptySubscription)
+            .extension(QueryCost {
+                max_aliases: 3,
+                max_fields: 50,
+                timeout,
+            })
+            .finish()
+    }
+
+    fn code(response: &Response) -> Option<String> {
+        let err = response.errors.first()?;
+        match err.extensions.as_ref()?.get("code")? {
+            async_graphql::Value::String(code) => Some(code.clone()),
+            _ => None,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_query_past_the_time_limit_is_answered_with_timeout() {
+        let limited = schema(Duration::from_millis(50));
+        let query = limited.execute("{ quick never }");
+        let response = tokio::time::timeout(Duration::from_secs(20), query)
+            .await
+            .expect("the limit answers long before the test gives up");
+        assert_eq!(code(&response).as_deref(), Some("TIMEOUT"));
+        assert!(response.errors[0].message.contains("limit"));
+        let response = schema(Duration::from_secs(30)).execute("{ quick }").await;
+        assert!(response.errors.is_empty(), "{:?}", response.errors);
+    }
+
+    #[tokio::test]
+    async fn aliases_are_counted_where_fragments_are_spread() {
+        let schema = schema(Duration::from_secs(30));
+        let response = schema.execute("{ a: quick b: quick c: quick }").await;
+        assert!(response.errors.is_empty(), "{:?}", response.errors);
+        let response = schema
+            .execute("{ ...F ...F } fragment F on Slow { a: quick b: quick }")
+            .await;
+        assert_eq!(code(&response).as_deref(), Some("BAD_USER_INPUT"));
+        assert!(response.errors[0].message.contains("aliases"));
+    }
+
+    #[tokio::test]
+    async fn fragments_that_double_at_every_level_are_refused_before_validation() {
+        let mut query = String::from("{ ...F0 } fragment F20 on Slow { quick }");
+        for level in 0..20 {
+            query.push_str(&format!(
+                " fragment F{level} on Slow {{ ...F{next} ...F{next} }}",
+                next = level + 1
+            ));
+        }
+        let response = schema(Duration::from_secs(30)).execute(query).await;
+        assert_eq!(code(&response).as_deref(), Some("BAD_USER_INPUT"));
+        assert!(response.errors[0].message.contains("fields"));
+    }
+
+    #[test]
+    fn capped_text_keeps_whole_characters_and_says_what_was_cut() {
+        assert_eq!(capped("short", 10), "short");
+        let cut = capped("ééé", 3);
+        assert!(cut.starts_with("é\n"), "{cut}");
+        assert!(cut.contains("2 of 6 bytes"), "{cut}");
+    }
+
+    #[test]
+    fn list_cost_multiplies_and_never_overflows() {
+        assert_eq!(list(10, 3), 31);
+        assert_eq!(list(-5, 3), 1);
+        assert_eq!(list(i32::MAX, usize::MAX), MAX_FIELD_COST);
+    }
+}
