@@ -31,9 +31,22 @@ pub async fn graphql_post(State(app): State<AppState>, request: Request) -> Resp
     if declared.is_some_and(|length| length > DRAIN_BOUND as u64) {
         return too_large(app.limits.max_request_bytes);
     }
-    let bytes = match read_limited(body, app.limits.max_request_bytes).await {
-        Ok(bytes) => bytes,
-        Err(response) => return response,
+    // A body trickled in slowly holds its connection no longer than a query
+    // may run.
+    let reading = read_limited(body, app.limits.max_request_bytes);
+    let bytes = match tokio::time::timeout(app.limits.request_timeout(), reading).await {
+        Ok(Ok(bytes)) => bytes,
+        Ok(Err(response)) => return response,
+        Err(_) => {
+            let mut response = refusal(
+                StatusCode::REQUEST_TIMEOUT,
+                "the request body did not arrive within request_timeout_secs",
+            );
+            response
+                .headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
+            return response;
+        }
     };
     let request: async_graphql::Request = match serde_json::from_slice(&bytes) {
         Ok(request) => request,

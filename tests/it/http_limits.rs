@@ -47,6 +47,26 @@ async fn a_client_that_sends_half_a_header_is_disconnected_on_time() {
 }
 
 #[tokio::test]
+async fn a_body_that_trickles_in_is_answered_408_on_time() {
+    let server = server_with("request_timeout_secs = 1").await;
+    let token = server.token("acme", "ada");
+    let mut tcp = TcpStream::connect(&server.addr).await.unwrap();
+    let head = format!(
+        "POST /graphql HTTP/1.1\r\nHost: tether\r\nAuthorization: Bearer {token}\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{{\"query\":"
+    );
+    tcp.write_all(head.as_bytes()).await.unwrap();
+    let started = Instant::now();
+    let received = String::from_utf8(read_to_close(&mut tcp).await).unwrap();
+    assert!(received.starts_with("HTTP/1.1 408"), "{received}");
+    assert!(received.contains("BAD_USER_INPUT"), "{received}");
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "answered after {:?}",
+        started.elapsed()
+    );
+}
+
+#[tokio::test]
 async fn an_idle_keepalive_connection_is_closed_on_time() {
     let server = server_with("header_read_timeout_secs = 60\nkeepalive_idle_secs = 1").await;
     let mut tcp = TcpStream::connect(&server.addr).await.unwrap();
