@@ -1231,7 +1231,7 @@ impl Config {
         if self.file.auth.jwks_url.is_some() {
             return Ok(SecretSource::None);
         }
-        match sqlite_file(&self.database_url) {
+        match self.sqlite_file() {
             Some(db) => {
                 let mut name = db.into_os_string();
                 name.push(".jwt-secret");
@@ -1245,8 +1245,14 @@ impl Config {
     }
 }
 
-/// The database file of an SQLite URL; `None` for in-memory databases,
-/// URI file names and other URLs.
+impl Config {
+    /// The database file of an SQLite URL; `None` for in-memory databases,
+    /// URI file names and other URLs.
+    pub fn sqlite_file(&self) -> Option<PathBuf> {
+        sqlite_file(&self.database_url)
+    }
+}
+
 fn sqlite_file(url: &str) -> Option<PathBuf> {
     let rest = url
         .strip_prefix("sqlite://")

@@ -88,7 +88,7 @@ pub async fn start(config: Config, role: Role) -> anyhow::Result<Running> {
     let auth = authenticator(&config)?;
     let worker_lock = match role {
         Role::Api => None,
-        Role::All | Role::Worker => lock_sqlite_for_workers(&config.database_url)?,
+        Role::All | Role::Worker => lock_sqlite_for_workers(&config)?,
     };
     let store = open_store(&config).await?;
     let stopping = CancellationToken::new();
@@ -149,17 +149,11 @@ pub async fn start(config: Config, role: Role) -> anyhow::Result<Running> {
 /// on `<database>.lock`, which the OS drops with the process, makes that
 /// true; a second worker is refused. API-only processes take no lock.
 /// `None` on PostgreSQL and for an in-memory SQLite database.
-fn lock_sqlite_for_workers(database_url: &str) -> anyhow::Result<Option<std::fs::File>> {
-    use std::str::FromStr as _;
-    if !database_url.starts_with("sqlite:")
-        || database_url.contains(":memory:")
-        || database_url.contains("mode=memory")
-    {
+fn lock_sqlite_for_workers(config: &Config) -> anyhow::Result<Option<std::fs::File>> {
+    let Some(database) = config.sqlite_file() else {
         return Ok(None);
-    }
-    let options = sea_orm::sqlx::sqlite::SqliteConnectOptions::from_str(database_url)
-        .context("TETHER_DATABASE_URL is not a usable SQLite URL")?;
-    let mut path = options.get_filename().as_os_str().to_owned();
+    };
+    let mut path = database.into_os_string();
     path.push(".lock");
     let path = std::path::PathBuf::from(path);
     let file = std::fs::OpenOptions::new()
