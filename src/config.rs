@@ -734,7 +734,8 @@ impl FileConfig {
         duration_secs_f64("runtime.lease_secs", rt.lease_secs)?;
         at_least("runtime.checkpoint_ms", rt.checkpoint_ms, 1)?;
         duration_ms("runtime.checkpoint_ms", rt.checkpoint_ms)?;
-        at_least("runtime.concurrency", rt.concurrency, 1)?;
+        between("runtime.concurrency", rt.concurrency, 1, 10_000)?;
+        between("runtime.tool_concurrency", rt.tool_concurrency, 1, 1_000)?;
         at_least("runtime.poll_ms", rt.poll_ms, 10)?;
         duration_ms("runtime.poll_ms", rt.poll_ms)?;
         non_negative("runtime.shutdown_grace_secs", rt.shutdown_grace_secs)?;

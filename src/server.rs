@@ -50,7 +50,14 @@ pub fn authenticator(config: &Config) -> anyhow::Result<Authenticator> {
         }
         SecretSource::None => Vec::new(),
     };
-    Ok(Authenticator::from_config(&config.file.auth, secrets)?)
+    let auth = &config.file.auth;
+    if auth.jwks_url.is_some() && auth.audience.is_none() {
+        tracing::warn!(
+            "auth.jwks_url is set without auth.audience: tokens the identity provider issued \
+             for any of its applications are accepted"
+        );
+    }
+    Ok(Authenticator::from_config(auth, secrets)?)
 }
 
 /// A server started in this process: the API (unless `Role::Worker`) on a

@@ -19,6 +19,11 @@ use super::error::bad_request;
 pub const PARTS_PER_MESSAGE: i32 = 4;
 pub const TOOL_CALLS_PER_RUN: i32 = 4;
 
+/// `ToolCall.fullOutput` may carry a mebibyte where another field carries a
+/// few bytes: it counts one unit per 16 KiB of the default cap, so that a
+/// query cannot gather thousands of them under the complexity limit.
+pub const FULL_OUTPUT: usize = 64;
+
 /// No single field counts more than this, so that sums of counts cannot
 /// overflow however the document nests.
 const MAX_FIELD_COST: usize = u32::MAX as usize;

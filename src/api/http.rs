@@ -16,37 +16,41 @@ use super::{AppState, ws};
 
 const GRAPHQL_RESPONSE: &str = "application/graphql-response+json";
 
+/// A WebSocket's read and write buffers (each grows for a larger frame).
+const WS_BUFFER_BYTES: usize = 8 * 1024;
+
 pub async fn graphql_post(State(app): State<AppState>, request: Request) -> Response {
     let (parts, body) = request.into_parts();
-    let viewer = match app.auth.verify_header(authorization(&parts.headers)).await {
-        Ok(viewer) => viewer,
-        Err(_) => return unauthenticated(),
-    };
+    let limit = app.limits.max_request_bytes;
     let declared = parts
         .headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
     // A body too large even to drain is refused before a byte of it is read.
-    if declared.is_some_and(|length| length > DRAIN_BOUND as u64) {
-        return too_large(app.limits.max_request_bytes);
+    if declared.is_some_and(|length| length > drain_bound(limit) as u64) {
+        return closing(too_large(limit));
     }
+    let viewer = app.auth.verify_header(authorization(&parts.headers)).await;
+    // The body is read, or drained, whatever the answer: a client still
+    // sending when the server closes gets a reset instead of that answer.
     // A body trickled in slowly holds its connection no longer than a query
     // may run.
-    let reading = read_limited(body, app.limits.max_request_bytes);
-    let bytes = match tokio::time::timeout(app.limits.request_timeout(), reading).await {
-        Ok(Ok(bytes)) => bytes,
-        Ok(Err(response)) => return response,
-        Err(_) => {
-            let mut response = refusal(
+    let reading = tokio::time::timeout(app.limits.request_timeout(), read_limited(body, limit));
+    let bytes = match (viewer.is_ok(), reading.await) {
+        (true, Ok(Ok(bytes))) => bytes,
+        (false, Ok(Ok(_))) => return unauthenticated(),
+        (false, _) => return closing(unauthenticated()),
+        (true, Ok(Err(response))) => return response,
+        (true, Err(_)) => {
+            return closing(refusal(
                 StatusCode::REQUEST_TIMEOUT,
                 "the request body did not arrive within request_timeout_secs",
-            );
-            response
-                .headers_mut()
-                .insert(header::CONNECTION, HeaderValue::from_static("close"));
-            return response;
+            ));
         }
+    };
+    let Ok(viewer) = viewer else {
+        return unauthenticated();
     };
     let request: async_graphql::Request = match serde_json::from_slice(&bytes) {
         Ok(request) => request,
@@ -84,6 +88,10 @@ pub async fn graphql_get(State(app): State<AppState>, request: Request) -> Respo
             .protocols([protocol.sec_websocket_protocol()])
             .max_message_size(max_frame)
             .max_frame_size(max_frame)
+            // tungstenite reserves 128 KiB each way per socket by default;
+            // GraphQL frames are small, and every send is flushed.
+            .read_buffer_size(WS_BUFFER_BYTES)
+            .write_buffer_size(WS_BUFFER_BYTES)
             .on_upgrade(move |socket| ws::serve(socket, protocol, app));
     }
     let viewer = match app.auth.verify_header(authorization(&parts.headers)).await {
@@ -152,18 +160,23 @@ fn negotiate_protocol(headers: &HeaderMap) -> Option<WebSocketProtocols> {
 }
 
 /// How much of an oversized body is read and thrown away so that the client,
-/// still sending, receives the 413 instead of a reset connection.
-const DRAIN_BOUND: usize = 16 * 1024 * 1024;
+/// still sending, receives the 413 instead of a reset connection: 16 MiB, or
+/// the limit itself where that is larger.
+fn drain_bound(limit: usize) -> usize {
+    limit.max(16 * 1024 * 1024)
+}
 
+/// The body, if it fits in `limit` bytes; a larger one is drained up to
+/// `drain_bound` and refused (413, closing the connection).
 async fn read_limited(mut body: Body, limit: usize) -> Result<Bytes, Response> {
     let mut bytes = Vec::new();
     let mut seen: usize = 0;
     while let Some(frame) = body.frame().await {
         let Ok(frame) = frame else {
-            return Err(refusal(
+            return Err(closing(refusal(
                 StatusCode::BAD_REQUEST,
                 "the request body could not be read",
-            ));
+            )));
         };
         let Ok(data) = frame.into_data() else {
             continue;
@@ -171,23 +184,26 @@ async fn read_limited(mut body: Body, limit: usize) -> Result<Bytes, Response> {
         seen = seen.saturating_add(data.len());
         if seen <= limit {
             bytes.extend_from_slice(&data);
-        } else if seen > DRAIN_BOUND {
+        } else if seen > drain_bound(limit) {
             break;
         }
     }
     if seen > limit {
-        return Err(too_large(limit));
+        return Err(closing(too_large(limit)));
     }
     Ok(bytes.into())
 }
 
-/// The 413 for a body over `limit`; the connection closes after it, since
-/// the rest of the body may still be on its way.
 fn too_large(limit: usize) -> Response {
-    let mut response = refusal(
+    refusal(
         StatusCode::PAYLOAD_TOO_LARGE,
         &format!("the request body is larger than {limit} bytes"),
-    );
+    )
+}
+
+/// The connection closes after this answer: the rest of the request may
+/// still be on its way.
+fn closing(mut response: Response) -> Response {
     response
         .headers_mut()
         .insert(header::CONNECTION, HeaderValue::from_static("close"));

@@ -327,6 +327,7 @@ impl ToolCall {
 
     /// The whole output when `output` was truncated (its JSON text), cut
     /// with a marker past the server's `max_full_output_bytes`.
+    #[graphql(complexity = "cost::FULL_OUTPUT")]
     async fn full_output(&self, ctx: &Context<'_>) -> Option<String> {
         let cap = services(ctx).config.api.max_full_output_bytes;
         self.0

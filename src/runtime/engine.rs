@@ -152,7 +152,7 @@ async fn drive(
         control,
         deadline,
         checkpoint_every: Duration::from_millis(config.runtime.checkpoint_ms),
-        tool_concurrency: config.runtime.tool_concurrency.max(1),
+        tool_concurrency: config.runtime.tool_concurrency,
         policy: &config.policy,
     };
     let mut step = run.steps;

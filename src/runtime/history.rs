@@ -213,6 +213,10 @@ fn step_turns(
             _ => {}
         }
     }
+    // Every call gets its result, whatever the parts' order said (invariant 7).
+    for left in step_calls {
+        call(&mut said, &mut results, left);
+    }
     // Tool results come first in their user turn, as the providers require.
     results.content.extend(answers);
     Ok((said, results))

@@ -121,13 +121,21 @@ impl Store {
         let sqlite = url.starts_with("sqlite:");
         let main = if sqlite { 8 } else { 16 };
         let db = Database::connect(connect_options(url, main, 1)).await?;
-        // After the main pool, which has created the file and turned WAL on.
-        let mut reads = Database::connect(connect_options(url, read_connections, 0)).await?;
         let read_statements = Arc::new(AtomicU64::new(0));
-        let counter = read_statements.clone();
-        reads.set_metric_callback(move |_| {
-            counter.fetch_add(1, Ordering::Relaxed);
-        });
+        // Each pool opened on an in-memory URL is a database of its own: the
+        // API reads through the main pool there.
+        let in_memory = sqlite && (url.contains(":memory:") || url.contains("mode=memory"));
+        let reads = if in_memory {
+            db.clone()
+        } else {
+            // After the main pool, which has created the file and turned WAL on.
+            let mut reads = Database::connect(connect_options(url, read_connections, 0)).await?;
+            let counter = read_statements.clone();
+            reads.set_metric_callback(move |_| {
+                counter.fetch_add(1, Ordering::Relaxed);
+            });
+            reads
+        };
         Ok(Store {
             db,
             reads,

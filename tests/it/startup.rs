@@ -170,3 +170,30 @@ async fn weak_or_missing_secrets_are_refused_naming_the_variable() {
         );
     }
 }
+
+/// The API's reads and the writes share one database also when it lives in
+/// memory (each pool opened on such a URL would be a database of its own).
+#[tokio::test]
+async fn an_in_memory_database_serves_reads_and_writes() {
+    let server = Server::start_with(ServerOptions {
+        env: vec![("TETHER_DATABASE_URL".into(), "sqlite::memory:".into())],
+        role: "all",
+        ..Default::default()
+    })
+    .await;
+    let token = server.token("acme", "ada");
+    let conversation = server.create_conversation(&token).await;
+    let (_, run) = server.send(&token, &conversation, "hello").await;
+    server.wait_until_ended(&token, &run).await;
+    let data = server
+        .gql(
+            &token,
+            "query($c: ID!) { conversation(id: $c) { messages { role } } }",
+            serde_json::json!({ "c": conversation }),
+        )
+        .await;
+    assert_eq!(
+        data["conversation"]["messages"],
+        serde_json::json!([{ "role": "USER" }, { "role": "ASSISTANT" }])
+    );
+}
