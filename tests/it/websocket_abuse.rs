@@ -168,3 +168,33 @@ async fn two_hundred_abusive_sockets_leave_no_descriptor_open() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+#[tokio::test]
+async fn a_client_that_stops_reading_is_dropped_after_the_send_timeout() {
+    let server = server_with("ws_send_timeout_secs = 1\nws_max_operations = 5000").await;
+    let token = server.token("acme", "ada");
+    let before = server.open_fds();
+    let mut client = WsClient::connect(&server, &token).await;
+    // About 2,000 answers of some 20 KB each: far more than the socket
+    // buffers of both sides hold, with a client that reads none of them.
+    let query = "{ __schema { types { name description fields { name description type { name kind } } } } }";
+    for i in 0..2000 {
+        let frame =
+            json!({ "id": format!("s{i}"), "type": "subscribe", "payload": { "query": query } });
+        client.feed(&frame.to_string()).await.unwrap();
+    }
+    client.flush().await.unwrap();
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        let open = server.open_fds();
+        if open <= before {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the server still holds the stalled socket ({open} descriptors, {before} before)"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    drop(client);
+}
