@@ -228,30 +228,10 @@ async fn many_tool_call_parts_each_show_their_own_call() {
 
     // One batch for the thirty calls: the same query, run in process on the
     // same database, takes a handful of statements, not one per part.
-    let store = Store::connect(server.database_url(), Bus::new())
-        .await
-        .unwrap();
-    let schema = tether::api::schema(Services {
-        store: store.clone(),
-        config: Arc::new(FileConfig::from_toml(BASE_CONFIG).unwrap()),
-    });
     let query = format!(
         "{{ conversation(id: \"{conversation}\") {{ messages {{ parts {{ kind toolCall {{ id }} }} }} }} }}"
     );
-    let before = store.read_statements();
-    let response = schema
-        .execute(
-            async_graphql::Request::new(query)
-                .data(Viewer {
-                    tenant: "acme".to_owned(),
-                    principal: "ada".to_owned(),
-                    expires_at: i64::MAX,
-                })
-                .data(RequestSnapshot::new(store.clone())),
-        )
-        .await;
-    assert!(response.errors.is_empty(), "{:?}", response.errors);
-    let statements = store.read_statements() - before;
+    let statements = statements_for(&server, "acme", &query).await;
     assert!((1..10).contains(&statements), "{statements} statements");
 
     // Another tenant's parts stay out of reach.
@@ -335,4 +315,66 @@ async fn a_query_past_the_time_limit_gets_timeout_and_the_api_recovers() {
     lock.rollback().await.unwrap();
     let data = server.gql(&token, READ, json!({ "c": conversation })).await;
     assert_eq!(data["conversation"]["id"], conversation);
+}
+
+/// How many statements the API's read pool runs for `query`, executed in
+/// process on the server's database for a viewer of `tenant`.
+async fn statements_for(server: &Server, tenant: &str, query: &str) -> u64 {
+    let store = Store::connect(server.database_url(), Bus::new())
+        .await
+        .unwrap();
+    let schema = tether::api::schema(Services {
+        store: store.clone(),
+        config: Arc::new(FileConfig::from_toml(BASE_CONFIG).unwrap()),
+    });
+    let before = store.read_statements();
+    let response = schema
+        .execute(async_graphql::Request::new(query).data(Viewer {
+            tenant: tenant.to_owned(),
+            principal: "ada".to_owned(),
+            expires_at: i64::MAX,
+        }))
+        .await;
+    assert!(response.errors.is_empty(), "{:?}", response.errors);
+    store.read_statements() - before
+}
+
+#[tokio::test]
+async fn many_approval_parts_are_read_in_one_batch() {
+    // The base configuration's agent offers the gated `demo_publish`.
+    let server = Server::start_workers(BASE_CONFIG).await;
+    let acme = server.token("acme", "ada");
+    let conversation = server.create_conversation(&acme).await;
+    let text: Vec<String> = (0..30)
+        .map(|i| format!("/tool demo_publish {{\"text\": \"post {i}\"}}"))
+        .collect();
+    let (_, run) = server.send(&acme, &conversation, &text.join("\n")).await;
+    server
+        .wait_for_run(&acme, &run, |r| r["status"] == "WAITING_FOR_APPROVAL")
+        .await;
+    let parts = server
+        .parts_of(
+            &acme,
+            &conversation,
+            "kind approval { status input } question { status }",
+        )
+        .await;
+    let approvals: Vec<&Value> = parts.iter().filter(|p| p["kind"] == "APPROVAL").collect();
+    assert_eq!(approvals.len(), 30, "{parts:?}");
+    let inputs: HashSet<String> = approvals
+        .iter()
+        .map(|part| {
+            assert_eq!(part["approval"]["status"], "PENDING", "{part}");
+            part["approval"]["input"]["text"]
+                .as_str()
+                .unwrap()
+                .to_owned()
+        })
+        .collect();
+    assert_eq!(inputs, (0..30).map(|i| format!("post {i}")).collect());
+    let query = format!(
+        "{{ conversation(id: \"{conversation}\") {{ messages {{ parts {{ kind approval {{ status }} question {{ status }} }} }} }} }}"
+    );
+    let statements = statements_for(&server, "acme", &query).await;
+    assert!((1..10).contains(&statements), "{statements} statements");
 }
