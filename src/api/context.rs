@@ -79,35 +79,34 @@ pub trait ShownByPart: Default + Clone + Eq + std::hash::Hash + Send + Sync + 's
     ) -> BoxFuture<'a, store::Result<HashMap<Uuid, Self::Row>>>;
 }
 
-/// The tool call of a `TOOL_CALL` part.
-#[derive(Default, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct ToolCallOfPart;
+/// A marker for what a part shows, with `$read` as its batched read.
+macro_rules! part_marker {
+    ($(#[$doc:meta])* $name:ident: $row:ty = $read:path) => {
+        $(#[$doc])*
+        #[derive(Default, Clone, Copy, PartialEq, Eq, Hash)]
+        pub struct $name;
 
-impl ShownByPart for ToolCallOfPart {
-    type Row = tool_call::Model;
-    fn read<'a>(
-        db: &'a DatabaseTransaction,
-        tenant: &'a str,
-        parts: &'a [Uuid],
-    ) -> BoxFuture<'a, store::Result<HashMap<Uuid, tool_call::Model>>> {
-        Box::pin(reads::tool_calls_of_parts(db, tenant, parts))
-    }
+        impl ShownByPart for $name {
+            type Row = $row;
+            fn read<'a>(
+                db: &'a DatabaseTransaction,
+                tenant: &'a str,
+                parts: &'a [Uuid],
+            ) -> BoxFuture<'a, store::Result<HashMap<Uuid, $row>>> {
+                Box::pin($read(db, tenant, parts))
+            }
+        }
+    };
 }
 
-/// The interaction of a `QUESTION` or `APPROVAL` part.
-#[derive(Default, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct InteractionOfPart;
-
-impl ShownByPart for InteractionOfPart {
-    type Row = interaction::Model;
-    fn read<'a>(
-        db: &'a DatabaseTransaction,
-        tenant: &'a str,
-        parts: &'a [Uuid],
-    ) -> BoxFuture<'a, store::Result<HashMap<Uuid, interaction::Model>>> {
-        Box::pin(reads::interactions_of_parts(db, tenant, parts))
-    }
-}
+part_marker!(
+    /// The tool call of a `TOOL_CALL` part.
+    ToolCallOfPart: tool_call::Model = reads::tool_calls_of_parts
+);
+part_marker!(
+    /// The interaction of a `QUESTION` or `APPROVAL` part.
+    InteractionOfPart: interaction::Model = reads::interactions_of_parts
+);
 
 /// A part of a tenant: the tenant travels with the key, so a batch reads
 /// each tenant's rows only for that tenant.

@@ -125,44 +125,13 @@ mod tests {
 
     use super::*;
     use crate::bus::CAPACITY;
-    use crate::domain::ActiveRunStrategy;
-    use crate::store::commands::{self, Actor, NewConversation, NewMessage};
-    use crate::store::test_support::temp_store;
-
-    async fn send(store: &Store, actor: &Actor, conversation_id: Uuid) {
-        commands::send_message(
-            store,
-            actor,
-            NewMessage {
-                conversation_id,
-                text: "hi".into(),
-                client_message_id: None,
-                on_active_run: ActiveRunStrategy::Queue,
-                max_attempts: 1,
-            },
-        )
-        .await
-        .unwrap();
-    }
+    use crate::store::test_support::{conversation, send_hi, temp_store};
 
     #[tokio::test]
     async fn a_subscriber_that_lags_on_the_bus_reads_the_log_and_misses_nothing() {
         let (store, dir) = temp_store().await;
-        let actor = Actor {
-            tenant: "acme".into(),
-            principal: "ada".into(),
-        };
-        let conversation = commands::create_conversation(
-            &store,
-            &actor,
-            NewConversation {
-                agent: "demo".into(),
-                title: None,
-            },
-        )
-        .await
-        .unwrap();
-        send(&store, &actor, conversation.id).await;
+        let conversation = conversation(&store).await;
+        send_hi(&store, conversation.id, 1).await;
         let mut feed = Box::pin(follow(
             store.clone(),
             FeedRequest {
@@ -178,7 +147,7 @@ mod tests {
         // More events than the bus holds, while nobody reads.
         let sends = CAPACITY / 2 + 10;
         for _ in 0..sends {
-            send(&store, &actor, conversation.id).await;
+            send_hi(&store, conversation.id, 1).await;
         }
         let total = 2 + 2 * sends as i64;
         let mut expected = 2;

@@ -2,7 +2,6 @@
 
 use std::collections::HashMap;
 
-use futures_util::StreamExt;
 use serde_json::{Value, json};
 
 use super::{Content, ModelEvent, ModelRequest, ModelStream, Provider, ProviderError, Turn, http};
@@ -365,37 +364,24 @@ impl Provider for Anthropic {
             .header("anthropic-version", VERSION)
             .json(&body(&request));
         let response = http::send(builder, describe, self.0.idle_timeout).await?;
-        Ok(model_events(http::events(response, self.0.idle_timeout)))
+        Ok(http::model_events::<Parser>(http::events(
+            response,
+            self.0.idle_timeout,
+        )))
     }
 }
 
-/// A Messages API stream's server-sent events as model events, ending at
-/// the first error or at `message_stop`.
-fn model_events(
-    events: impl futures_util::Stream<Item = Result<http::Event, ProviderError>> + Send + 'static,
-) -> ModelStream {
-    let mut events = Box::pin(events);
-    let stream = async_stream::stream! {
-        let mut parser = Parser::default();
-        while let Some(event) = events.next().await {
-            let event = match event {
-                Ok(event) => event,
-                Err(err) => {
-                    yield Err(err);
-                    return;
-                }
-            };
-            for item in parser.feed(&event.event, &event.data) {
-                let last = matches!(item, Err(_) | Ok(ModelEvent::Finished { .. }));
-                yield item;
-                if last {
-                    return;
-                }
-            }
-        }
-        yield Err(ProviderError::Network("the stream ended before message_stop".into()));
-    };
-    stream.boxed()
+/// A Messages API stream ends at `message_stop`.
+impl http::EventParser for Parser {
+    fn event(&mut self, event: &http::Event) -> Vec<Item> {
+        self.feed(&event.event, &event.data)
+    }
+
+    fn ended(&mut self) -> Vec<Item> {
+        vec![Err(ProviderError::Network(
+            "the stream ended before message_stop".into(),
+        ))]
+    }
 }
 
 #[cfg(test)]
@@ -714,8 +700,9 @@ mod tests {
 
     mod streams {
         use super::*;
-        use crate::providers::http::MAX_EVENT_BYTES;
-        use crate::providers::http::tests::{collect, cut, events_of};
+        use crate::providers::http::tests::{
+            check_broken, check_whole, model_events_of, pieces_of, with_broken_data,
+        };
         use proptest::prelude::*;
 
         fn event(data: Value) -> String {
@@ -759,9 +746,7 @@ mod tests {
                 2,
                 json!({ "type": "tool_use", "id": "t1", "name": "f", "input": {} }),
             ));
-            let json: Vec<char> = input.to_string().chars().collect();
-            for piece in json.chunks(3) {
-                let piece: String = piece.iter().collect();
+            for piece in pieces_of(input) {
                 events.push(delta(
                     2,
                     json!({ "type": "input_json_delta", "partial_json": piece }),
@@ -774,21 +759,6 @@ mod tests {
             events
         }
 
-        fn model_events_of(body: &[u8], cuts: &[usize]) -> Vec<Item> {
-            collect(model_events(events_of(cut(body, cuts), MAX_EVENT_BYTES)))
-        }
-
-        fn joined(events: &[ModelEvent], reasoning: bool) -> String {
-            events
-                .iter()
-                .filter_map(|e| match e {
-                    ModelEvent::Text(t) if !reasoning => Some(t.as_str()),
-                    ModelEvent::Reasoning(t) if reasoning => Some(t.as_str()),
-                    _ => None,
-                })
-                .collect()
-        }
-
         proptest! {
             #[test]
             fn a_stream_cut_at_any_bytes_gives_the_same_events(
@@ -799,19 +769,10 @@ mod tests {
             ) {
                 let input = json!({ "q": value });
                 let body = sse(&thinking, &text, &input).concat();
-                let events: Vec<ModelEvent> = model_events_of(body.as_bytes(), &cuts)
-                    .into_iter()
-                    .collect::<Result<_, _>>()
-                    .unwrap();
-                prop_assert_eq!(joined(&events, false), text.concat());
-                prop_assert_eq!(joined(&events, true), thinking);
-                prop_assert!(events.contains(&ModelEvent::ReasoningSignature("sig".into())));
                 let call = ModelEvent::ToolCall { id: "t1".into(), name: "f".into(), input };
-                prop_assert!(events.contains(&call));
-                prop_assert_eq!(
-                    events.last(),
-                    Some(&ModelEvent::Finished { stop_reason: "tool_use".into() })
-                );
+                let items = model_events_of(http::model_events::<Parser>, body.as_bytes(), &cuts);
+                let events = check_whole(items, &text, &thinking, &call, "tool_use")?;
+                prop_assert!(events.contains(&ModelEvent::ReasoningSignature("sig".into())));
             }
 
             #[test]
@@ -822,18 +783,9 @@ mod tests {
             ) {
                 let mut events = sse("Hmm.", &["Hi ".into(), "there".into()], &json!({ "q": "é" }));
                 let which = which.index(events.len());
-                let line = events[which].lines().nth(1).unwrap().to_owned();
-                let data = line.strip_prefix("data: ").unwrap();
-                // JSON text cut short is never valid.
-                let broken = &data[..data.floor_char_boundary(keep.index(data.len()))];
-                events[which] = events[which].replace(data, broken);
-                let items = model_events_of(events.concat().as_bytes(), &cuts);
-                prop_assert!(
-                    matches!(items.last(), Some(Err(ProviderError::Stream { code, .. })) if code == "invalid_event"),
-                    "{:?}", items
-                );
-                let finished = items.iter().any(|i| matches!(i, Ok(ModelEvent::Finished { .. })));
-                prop_assert!(!finished);
+                events[which] = with_broken_data(&events[which], keep, 0);
+                let items = model_events_of(http::model_events::<Parser>, events.concat().as_bytes(), &cuts);
+                check_broken(&items)?;
             }
 
             #[test]
@@ -841,7 +793,7 @@ mod tests {
                 bytes in prop::collection::vec(any::<u8>(), 0..300),
                 cuts in prop::collection::vec(any::<usize>(), 0..16),
             ) {
-                let items = model_events_of(&bytes, &cuts);
+                let items = model_events_of(http::model_events::<Parser>, &bytes, &cuts);
                 prop_assert!(items.last().is_some_and(Result::is_err), "{:?}", items);
             }
         }

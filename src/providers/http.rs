@@ -10,7 +10,7 @@ use eventsource_stream::{EventStreamError, Eventsource};
 use futures_util::{Stream, StreamExt};
 use reqwest::header::HeaderMap;
 
-use super::ProviderError;
+use super::{ModelEvent, ModelStream, ProviderError};
 use crate::redact;
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -328,6 +328,51 @@ pub fn events(
     sse(response.bytes_stream(), idle, MAX_EVENT_BYTES, network)
 }
 
+/// A provider's stream parser: what its server-sent events mean.
+pub trait EventParser: Default + Send + 'static {
+    /// The model events of one server-sent event.
+    fn event(&mut self, event: &Event) -> Vec<Result<ModelEvent, ProviderError>>;
+
+    /// The model events of a stream that ran out before an error or its
+    /// finish.
+    fn ended(&mut self) -> Vec<Result<ModelEvent, ProviderError>>;
+}
+
+/// Server-sent events as model events through a `P`, ending at the first
+/// error or at the finish.
+pub fn model_events<P: EventParser>(
+    events: impl Stream<Item = Result<Event, ProviderError>> + Send + 'static,
+) -> ModelStream {
+    let mut events = Box::pin(events);
+    let stream = async_stream::stream! {
+        let mut parser = P::default();
+        while let Some(event) = events.next().await {
+            let event = match event {
+                Ok(event) => event,
+                Err(err) => {
+                    yield Err(err);
+                    return;
+                }
+            };
+            for item in parser.event(&event) {
+                let last = matches!(item, Err(_) | Ok(ModelEvent::Finished { .. }));
+                yield item;
+                if last {
+                    return;
+                }
+            }
+        }
+        for item in parser.ended() {
+            let last = item.is_err();
+            yield item;
+            if last {
+                return;
+            }
+        }
+    };
+    stream.boxed()
+}
+
 /// The server-sent events of a body's chunks, each event at most `limit`
 /// bytes; `transport` says what a failed chunk means.
 pub fn sse<S, B, E>(
@@ -393,8 +438,11 @@ where
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use futures_util::stream::BoxStream;
     use proptest::prelude::*;
+    use proptest::test_runner::TestCaseError;
     use reqwest::header::HeaderValue;
+    use serde_json::Value;
 
     /// The events of a body arriving in these chunks.
     pub(crate) fn events_of(
@@ -431,6 +479,87 @@ pub(crate) mod tests {
         at.sort_unstable();
         at.dedup();
         at.windows(2).map(|w| bytes[w[0]..w[1]].to_vec()).collect()
+    }
+
+    /// Every model event a provider's parser (`model_events`) makes of
+    /// `body` arriving cut at these points.
+    pub(crate) fn model_events_of(
+        model_events: impl FnOnce(BoxStream<'static, Result<Event, ProviderError>>) -> ModelStream,
+        body: &[u8],
+        cuts: &[usize],
+    ) -> Vec<Result<ModelEvent, ProviderError>> {
+        collect(model_events(
+            events_of(cut(body, cuts), MAX_EVENT_BYTES).boxed(),
+        ))
+    }
+
+    /// The JSON text of `input` three characters at a time, as a model
+    /// streams a tool call's input.
+    pub(crate) fn pieces_of(input: &Value) -> Vec<String> {
+        let json: Vec<char> = input.to_string().chars().collect();
+        json.chunks(3).map(|piece| piece.iter().collect()).collect()
+    }
+
+    /// `event` with the JSON of its data line cut short, keeping at least
+    /// `min` of its bytes: JSON text cut short is never valid.
+    pub(crate) fn with_broken_data(event: &str, keep: prop::sample::Index, min: usize) -> String {
+        let data = event
+            .lines()
+            .find_map(|line| line.strip_prefix("data: "))
+            .unwrap();
+        let broken = &data[..data.floor_char_boundary(min + keep.index(data.len() - min))];
+        event.replace(data, broken)
+    }
+
+    /// The text (or the reasoning) of these events, joined.
+    fn joined(events: &[ModelEvent], reasoning: bool) -> String {
+        events
+            .iter()
+            .filter_map(|e| match e {
+                ModelEvent::Text(t) if !reasoning => Some(t.as_str()),
+                ModelEvent::Reasoning(t) if reasoning => Some(t.as_str()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    /// A whole stream's items are events that hold all its `text` and
+    /// `reasoning`, its tool `call`, and end with `stop_reason`; the events.
+    pub(crate) fn check_whole(
+        items: Vec<Result<ModelEvent, ProviderError>>,
+        text: &[String],
+        reasoning: &str,
+        call: &ModelEvent,
+        stop_reason: &str,
+    ) -> Result<Vec<ModelEvent>, TestCaseError> {
+        let events: Vec<ModelEvent> = items.into_iter().collect::<Result<_, _>>().unwrap();
+        prop_assert_eq!(joined(&events, false), text.concat());
+        prop_assert_eq!(joined(&events, true), reasoning);
+        prop_assert!(events.contains(call));
+        prop_assert_eq!(
+            events.last(),
+            Some(&ModelEvent::Finished {
+                stop_reason: stop_reason.into()
+            })
+        );
+        Ok(events)
+    }
+
+    /// A stream with broken JSON in an event ends with `invalid_event` and
+    /// never finishes.
+    pub(crate) fn check_broken(
+        items: &[Result<ModelEvent, ProviderError>],
+    ) -> Result<(), TestCaseError> {
+        prop_assert!(
+            matches!(items.last(), Some(Err(ProviderError::Stream { code, .. })) if code == "invalid_event"),
+            "{:?}",
+            items
+        );
+        let finished = items
+            .iter()
+            .any(|i| matches!(i, Ok(ModelEvent::Finished { .. })));
+        prop_assert!(!finished);
+        Ok(())
     }
 
     fn code_of(item: &Result<Event, ProviderError>) -> Option<&str> {

@@ -3,7 +3,6 @@
 
 use std::collections::BTreeMap;
 
-use futures_util::StreamExt;
 use serde_json::{Value, json};
 
 use super::{Content, ModelEvent, ModelRequest, ModelStream, Provider, ProviderError, Turn, http};
@@ -324,43 +323,23 @@ impl Provider for OpenAi {
             builder = builder.bearer_auth(key);
         }
         let response = http::send(builder, describe, self.0.idle_timeout).await?;
-        Ok(model_events(http::events(response, self.0.idle_timeout)))
+        Ok(http::model_events::<Parser>(http::events(
+            response,
+            self.0.idle_timeout,
+        )))
     }
 }
 
-/// A chat-completions stream's server-sent events as model events, ending
-/// at the first error or when the stream is done.
-fn model_events(
-    events: impl futures_util::Stream<Item = Result<http::Event, ProviderError>> + Send + 'static,
-) -> ModelStream {
-    let mut events = Box::pin(events);
-    let stream = async_stream::stream! {
-        let mut parser = Parser::default();
-        while let Some(event) = events.next().await {
-            let event = match event {
-                Ok(event) => event,
-                Err(err) => {
-                    yield Err(err);
-                    return;
-                }
-            };
-            for item in parser.feed(&event.data) {
-                let last = matches!(item, Err(_) | Ok(ModelEvent::Finished { .. }));
-                yield item;
-                if last {
-                    return;
-                }
-            }
-        }
-        for item in parser.end(false) {
-            let last = item.is_err();
-            yield item;
-            if last {
-                return;
-            }
-        }
-    };
-    stream.boxed()
+/// A chat-completions stream is done at `[DONE]`, or at its finish reason
+/// when the connection closes.
+impl http::EventParser for Parser {
+    fn event(&mut self, event: &http::Event) -> Vec<Item> {
+        self.feed(&event.data)
+    }
+
+    fn ended(&mut self) -> Vec<Item> {
+        self.end(false)
+    }
 }
 
 #[cfg(test)]
@@ -614,8 +593,9 @@ mod tests {
 
     mod streams {
         use super::*;
-        use crate::providers::http::MAX_EVENT_BYTES;
-        use crate::providers::http::tests::{collect, cut, events_of};
+        use crate::providers::http::tests::{
+            check_broken, check_whole, model_events_of, pieces_of, with_broken_data,
+        };
         use proptest::prelude::*;
 
         /// A chat-completions stream: reasoning, text in pieces, one tool
@@ -640,9 +620,7 @@ mod tests {
                                          "function": { "name": "f", "arguments": "" } }] }),
                 Value::Null,
             ));
-            let json: Vec<char> = input.to_string().chars().collect();
-            for piece in json.chunks(3) {
-                let piece: String = piece.iter().collect();
+            for piece in pieces_of(input) {
                 events.push(delta(
                     json!({ "tool_calls": [{ "index": 0, "function": { "arguments": piece } }] }),
                     Value::Null,
@@ -656,21 +634,6 @@ mod tests {
             events
         }
 
-        fn model_events_of(body: &[u8], cuts: &[usize]) -> Vec<Item> {
-            collect(model_events(events_of(cut(body, cuts), MAX_EVENT_BYTES)))
-        }
-
-        fn joined(events: &[ModelEvent], reasoning: bool) -> String {
-            events
-                .iter()
-                .filter_map(|e| match e {
-                    ModelEvent::Text(t) if !reasoning => Some(t.as_str()),
-                    ModelEvent::Reasoning(t) if reasoning => Some(t.as_str()),
-                    _ => None,
-                })
-                .collect()
-        }
-
         proptest! {
             #[test]
             fn a_stream_cut_at_any_bytes_gives_the_same_events(
@@ -681,18 +644,9 @@ mod tests {
             ) {
                 let input = json!({ "q": value });
                 let body = sse(&reasoning, &text, &input).concat();
-                let events: Vec<ModelEvent> = model_events_of(body.as_bytes(), &cuts)
-                    .into_iter()
-                    .collect::<Result<_, _>>()
-                    .unwrap();
-                prop_assert_eq!(joined(&events, false), text.concat());
-                prop_assert_eq!(joined(&events, true), reasoning);
                 let call = ModelEvent::ToolCall { id: "c1".into(), name: "f".into(), input };
-                prop_assert!(events.contains(&call));
-                prop_assert_eq!(
-                    events.last(),
-                    Some(&ModelEvent::Finished { stop_reason: "tool_calls".into() })
-                );
+                let items = model_events_of(http::model_events::<Parser>, body.as_bytes(), &cuts);
+                check_whole(items, &text, &reasoning, &call, "tool_calls")?;
             }
 
             #[test]
@@ -704,19 +658,10 @@ mod tests {
                 let mut events = sse("Hmm.", &["Hi ".into(), "there".into()], &json!({ "q": "é" }));
                 // Not `[DONE]`, which is not JSON.
                 let which = which.index(events.len() - 1);
-                let line = events[which].lines().next().unwrap().to_owned();
-                let data = line.strip_prefix("data: ").unwrap();
-                // JSON text cut short is never valid; an empty `data:` is a
-                // keep-alive, so at least one byte stays.
-                let broken = &data[..data.floor_char_boundary(keep.index(data.len() - 1) + 1)];
-                events[which] = events[which].replace(data, broken);
-                let items = model_events_of(events.concat().as_bytes(), &cuts);
-                prop_assert!(
-                    matches!(items.last(), Some(Err(ProviderError::Stream { code, .. })) if code == "invalid_event"),
-                    "{:?}", items
-                );
-                let finished = items.iter().any(|i| matches!(i, Ok(ModelEvent::Finished { .. })));
-                prop_assert!(!finished);
+                // An empty `data:` is a keep-alive, so at least one byte stays.
+                events[which] = with_broken_data(&events[which], keep, 1);
+                let items = model_events_of(http::model_events::<Parser>, events.concat().as_bytes(), &cuts);
+                check_broken(&items)?;
             }
 
             #[test]
@@ -724,7 +669,7 @@ mod tests {
                 bytes in prop::collection::vec(any::<u8>(), 0..300),
                 cuts in prop::collection::vec(any::<usize>(), 0..16),
             ) {
-                let items = model_events_of(&bytes, &cuts);
+                let items = model_events_of(http::model_events::<Parser>, &bytes, &cuts);
                 // Whatever came, the stream ends: with its end or an error.
                 let ended = items.last().is_some_and(|i| matches!(i, Err(_) | Ok(ModelEvent::Finished { .. })));
                 prop_assert!(ended, "{:?}", items);

@@ -725,15 +725,8 @@ mod tests {
     use crate::domain::interaction::ApprovalDecision;
     use crate::store::commands;
     use crate::store::queue;
-    use crate::store::test_support::{queued_run, temp_store};
+    use crate::store::test_support::{ada, queued_run, temp_store};
     use crate::store::tool_calls::{self, NewToolCall, Verdict};
-
-    fn actor() -> Actor {
-        Actor {
-            tenant: "acme".into(),
-            principal: "ada".into(),
-        }
-    }
 
     /// A claimed run with one gated call waiting for approval, asked with
     /// this time to live.
@@ -780,9 +773,7 @@ mod tests {
         let (lease, run_id) = waiting_call(&store, 86_400_000).await;
         // cancelRun lands while the worker is about to park: the run is
         // RUNNING, so only cancelRequested is set.
-        let answered = commands::cancel_run(&store, &actor(), run_id)
-            .await
-            .unwrap();
+        let answered = commands::cancel_run(&store, &ada(), run_id).await.unwrap();
         assert!(answered.cancel_requested);
         let parked = park(&store, &lease, Waiting::Approval, Usage::default(), false).await;
         assert!(matches!(parked, Err(Error::CancelRequested)), "{parked:?}");
@@ -811,7 +802,7 @@ mod tests {
             decision: ApprovalDecision::AllowOnce,
             allow_always: true,
         };
-        let result = resolve(&store, &actor(), pending[0].id, decision).await;
+        let result = resolve(&store, &ada(), pending[0].id, decision).await;
         assert!(matches!(result, Err(Error::Conflict(_))), "{result:?}");
         let row = reads::interaction(store.db(), "acme", pending[0].id)
             .await

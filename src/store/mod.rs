@@ -380,32 +380,45 @@ pub(crate) mod test_support {
         (store, dir)
     }
 
-    /// A conversation of tenant `acme` with one queued run.
-    pub async fn queued_run(store: &Store) -> entities::run::Model {
-        use crate::domain::ActiveRunStrategy;
-        use commands::{Actor, NewConversation, NewMessage};
-        let actor = Actor {
+    /// Ada of tenant `acme`.
+    pub fn ada() -> commands::Actor {
+        commands::Actor {
             tenant: "acme".into(),
             principal: "ada".into(),
+        }
+    }
+
+    /// A new conversation of Ada's with agent `demo`.
+    pub async fn conversation(store: &Store) -> entities::conversation::Model {
+        let new = commands::NewConversation {
+            agent: "demo".into(),
+            title: None,
         };
-        let conversation = commands::create_conversation(
-            store,
-            &actor,
-            NewConversation {
-                agent: "demo".into(),
-                title: None,
-            },
-        )
-        .await
-        .unwrap();
-        let new = NewMessage {
-            conversation_id: conversation.id,
+        commands::create_conversation(store, &ada(), new)
+            .await
+            .unwrap()
+    }
+
+    /// Ada's `hi` in the conversation, queued behind any active run; its run.
+    pub async fn send_hi(
+        store: &Store,
+        conversation_id: Uuid,
+        max_attempts: i32,
+    ) -> entities::run::Model {
+        let new = commands::NewMessage {
+            conversation_id,
             text: "hi".into(),
             client_message_id: None,
-            on_active_run: ActiveRunStrategy::Queue,
-            max_attempts: 3,
+            on_active_run: crate::domain::ActiveRunStrategy::Queue,
+            max_attempts,
         };
-        commands::send_message(store, &actor, new).await.unwrap().1
+        commands::send_message(store, &ada(), new).await.unwrap().1
+    }
+
+    /// A conversation of tenant `acme` with one queued run.
+    pub async fn queued_run(store: &Store) -> entities::run::Model {
+        let conversation = conversation(store).await;
+        send_hi(store, conversation.id, 3).await
     }
 }
 

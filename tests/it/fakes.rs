@@ -15,7 +15,54 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use serde_json::{Value, json};
 
+use crate::support::{Server, ServerOptions};
+
 pub const KEY: &str = "sk-test-key";
+
+/// The variable that hands `KEY` to the agents of `model_config`.
+pub fn key_env() -> (String, String) {
+    ("TETHER_TEST_PROVIDER_KEY".into(), KEY.into())
+}
+
+/// The configuration of a server whose one agent `model` talks to a fake
+/// at `base_url` over `provider`'s wire with the key of `key_env`:
+/// `runtime` and `agent` are more keys of `[runtime]` and of the agent,
+/// and `rest` follows the agent (its `[agents.*]` tables, `[[tools]]`).
+pub fn model_config(
+    provider: &str,
+    base_url: &str,
+    runtime: &str,
+    agent: &str,
+    rest: &str,
+) -> String {
+    format!(
+        r#"
+[runtime]
+checkpoint_ms = 40
+poll_ms = 100
+{runtime}
+
+[[agents]]
+name = "model"
+provider = "{provider}"
+model = "fake-model"
+base_url = "{base_url}"
+api_key_env = "TETHER_TEST_PROVIDER_KEY"
+{agent}
+{rest}
+"#
+    )
+}
+
+/// A server with workers on `config`, with the key of `key_env`.
+pub async fn server_with_key(config: String) -> Server {
+    Server::start_with(ServerOptions {
+        config,
+        env: vec![key_env()],
+        role: "all",
+    })
+    .await
+}
 
 /// What the fake answers to the next request.
 pub enum Reply {
@@ -100,6 +147,18 @@ impl FakeProvider {
 
     pub fn requests(&self) -> Vec<Value> {
         self.shared.requests.lock().unwrap().clone()
+    }
+
+    /// The requests of a run that must have `ended` completed (they are
+    /// shown if it did not).
+    pub fn requests_of_completed(&self, ended: &Value) -> Vec<Value> {
+        assert_eq!(
+            ended["status"],
+            "COMPLETED",
+            "{ended} {:?}",
+            self.requests()
+        );
+        self.requests()
     }
 
     pub fn abandoned_streams(&self) -> usize {

@@ -6,7 +6,8 @@ use serde_json::{Value, json};
 
 use crate::downstream::Downstream;
 use crate::fakes::{
-    FakeProvider, FakeToolCall, KEY, Reply, Wire, anthropic_sse, anthropic_sse_tool_calls,
+    FakeProvider, FakeToolCall, Reply, Wire, anthropic_sse, anthropic_sse_tool_calls,
+    server_with_key,
 };
 use crate::support::{Server, ServerOptions, of_type, on_postgres};
 use crate::tools::{final_text, tool_calls};
@@ -238,12 +239,7 @@ async fn the_model_reads_the_answers_after_the_result_of_its_call() {
         "[runtime]\npoll_ms = 100\n\n[[agents]]\nname = \"model\"\nprovider = \"anthropic\"\nmodel = \"fake\"\nbase_url = \"{}\"\napi_key_env = \"TETHER_TEST_PROVIDER_KEY\"\ntools = [\"ask_questions\"]\n",
         fake.base_url
     );
-    let server = Server::start_with(ServerOptions {
-        config,
-        env: vec![("TETHER_TEST_PROVIDER_KEY".into(), KEY.into())],
-        role: "all",
-    })
-    .await;
+    let server = server_with_key(config).await;
     let token = server.token("acme", "ada");
     let conversation = server.create_conversation(&token).await;
     let (_, run) = server.send(&token, &conversation, "Order a shirt.").await;
@@ -259,13 +255,10 @@ async fn the_model_reads_the_answers_after_the_result_of_its_call() {
     .await;
     assert_eq!(body["data"]["answerQuestion"]["resumed"], true, "{body}");
     let ended = server.wait_until_ended(&token, &run).await;
-    assert_eq!(
-        ended["status"],
-        "COMPLETED",
-        "{ended} {:?}",
-        fake.requests()
-    );
-    let messages = fake.requests()[1]["messages"].as_array().unwrap().clone();
+    let messages = fake.requests_of_completed(&ended)[1]["messages"]
+        .as_array()
+        .unwrap()
+        .clone();
     assert_eq!(messages.len(), 3, "{messages:?}");
     let turn = messages[2]["content"].as_array().unwrap();
     assert_eq!(turn[0]["type"], "tool_result");
@@ -966,12 +959,7 @@ http = {{ url = "{}/effect" }}
 "#,
         downstream.base
     );
-    let mut server = Server::start_with(ServerOptions {
-        config: config("\"publish\", \"demo_publish\"", &publish_tool),
-        env: vec![("TETHER_TEST_PROVIDER_KEY".into(), KEY.into())],
-        role: "all",
-    })
-    .await;
+    let mut server = server_with_key(config("\"publish\", \"demo_publish\"", &publish_tool)).await;
     let token = server.token("acme", "ada");
     let conversation = server.create_conversation(&token).await;
     let (run, first) = gated(&server, &token, &conversation, "Publish it.").await;

@@ -7,12 +7,12 @@ use serde_json::{Value, json};
 
 use crate::downstream::Downstream;
 use crate::fakes::{
-    AnthropicBlock, FakeProvider, FakeToolCall, KEY, Reply, Wire, anthropic_sse,
-    anthropic_sse_blocks, anthropic_sse_thinking_tool_calls, fake_signature, openai_sse,
-    openai_sse_tool_calls, openai_sse_tool_calls_ending,
+    AnthropicBlock, FakeProvider, FakeToolCall, Reply, Wire, anthropic_sse, anthropic_sse_blocks,
+    anthropic_sse_thinking_tool_calls, fake_signature, model_config, openai_sse,
+    openai_sse_tool_calls, openai_sse_tool_calls_ending, server_with_key,
 };
-use crate::support::{Server, ServerOptions};
-use crate::tools::{tool_calls, tool_sections};
+use crate::support::Server;
+use crate::tools::{run_to_end, tool_calls, tool_sections};
 
 /// A server whose agent `model` talks to the fake and offers `tools`.
 pub async fn server(
@@ -22,32 +22,17 @@ pub async fn server(
     agent_keys: &str,
     runtime: &str,
 ) -> Server {
-    let config = format!(
-        r#"
-[runtime]
-checkpoint_ms = 40
-poll_ms = 100
-{runtime}
-
-[[agents]]
-name = "model"
-provider = "{provider}"
-model = "fake-model"
-base_url = "{base}"
-api_key_env = "TETHER_TEST_PROVIDER_KEY"
-idle_timeout_secs = 5
-tools = ["fail", "slow", "effect", "hang"]
-{agent_keys}
-{tools}
-"#,
-        base = fake.base_url,
-        tools = tool_sections(downstream),
+    let agent = format!(
+        "idle_timeout_secs = 5\ntools = [\"fail\", \"slow\", \"effect\", \"hang\"]\n{agent_keys}"
     );
-    Server::start_with(ServerOptions {
-        config,
-        env: vec![("TETHER_TEST_PROVIDER_KEY".into(), KEY.into())],
-        role: "all",
-    })
+    let tools = tool_sections(downstream);
+    server_with_key(model_config(
+        provider,
+        &fake.base_url,
+        runtime,
+        &agent,
+        &tools,
+    ))
     .await
 }
 
@@ -57,14 +42,6 @@ fn three_calls() -> Vec<FakeToolCall> {
         FakeToolCall::new("call_2", "slow", json!({ "text": "b" })),
         FakeToolCall::new("call_3", "effect", json!({ "text": "ç" })),
     ]
-}
-
-async fn run_once(server: &Server, text: &str) -> (String, String, Value) {
-    let token = server.token("acme", "ada");
-    let conversation = server.create_conversation(&token).await;
-    let (_, run) = server.send(&token, &conversation, text).await;
-    let ended = server.wait_until_ended(&token, &run).await;
-    (token, run, ended)
 }
 
 #[tokio::test]
@@ -81,15 +58,9 @@ async fn anthropic_gets_signed_thinking_then_the_calls_then_exactly_three_result
     downstream.slow_until(3);
     let keys = "thinking_budget_tokens = 1024\nmax_tokens = 2048";
     let server = server(&fake, "anthropic", &downstream, keys, "").await;
-    let (token, run, ended) = run_once(&server, "Go.").await;
-    assert_eq!(
-        ended["status"],
-        "COMPLETED",
-        "{ended} {:?}",
-        fake.requests()
-    );
-
-    let requests = fake.requests();
+    let token = server.token("acme", "ada");
+    let (_, run, ended) = run_to_end(&server, &token, "model", "Go.").await;
+    let requests = fake.requests_of_completed(&ended);
     assert_eq!(requests.len(), 2);
     let offered: Vec<&str> = requests[0]["tools"]
         .as_array()
@@ -152,15 +123,9 @@ async fn openai_gets_the_calls_then_one_tool_message_per_call_in_order() {
     let downstream = Downstream::start().await;
     downstream.slow_until(3);
     let server = server(&fake, "openai", &downstream, "", "").await;
-    let (_, _, ended) = run_once(&server, "Go.").await;
-    assert_eq!(
-        ended["status"],
-        "COMPLETED",
-        "{ended} {:?}",
-        fake.requests()
-    );
-
-    let requests = fake.requests();
+    let token = server.token("acme", "ada");
+    let (_, _, ended) = run_to_end(&server, &token, "model", "Go.").await;
+    let requests = fake.requests_of_completed(&ended);
     assert_eq!(requests[0]["tools"][2]["function"]["name"], "effect");
     let messages = requests[1]["messages"].as_array().unwrap();
     let roles: Vec<&str> = messages
@@ -214,13 +179,10 @@ async fn calls_cut_off_by_a_cancel_still_have_their_results_in_the_next_runs_his
     );
     let (_, next) = server.send(&token, &conversation, "What happened?").await;
     let ended = server.wait_until_ended(&token, &next).await;
-    assert_eq!(
-        ended["status"],
-        "COMPLETED",
-        "{ended} {:?}",
-        fake.requests()
-    );
-    let messages = fake.requests()[1]["messages"].as_array().unwrap().clone();
+    let messages = fake.requests_of_completed(&ended)[1]["messages"]
+        .as_array()
+        .unwrap()
+        .clone();
     // user, assistant (text + 2 tool_use), user (2 results + the new text).
     assert_eq!(messages.len(), 3, "{messages:?}");
     let answer = messages[2]["content"].as_array().unwrap();
@@ -270,17 +232,9 @@ async fn interleaved_and_redacted_thinking_go_back_block_by_block_in_their_place
     let keys = "thinking_budget_tokens = 1024\nmax_tokens = 2048";
     let server = server(&fake, "anthropic", &downstream, keys, "").await;
     let token = server.token("acme", "ada");
-    let conversation = server.create_conversation(&token).await;
-    let (_, run) = server.send(&token, &conversation, "Go.").await;
-    let ended = server.wait_until_ended(&token, &run).await;
+    let (conversation, _, ended) = run_to_end(&server, &token, "model", "Go.").await;
     // The fake refuses merged, re-signed, reordered or missing blocks.
-    assert_eq!(
-        ended["status"],
-        "COMPLETED",
-        "{ended} {:?}",
-        fake.requests()
-    );
-    let requests = fake.requests();
+    let requests = fake.requests_of_completed(&ended);
     assert_eq!(requests.len(), 2);
     let said = &requests[1]["messages"][1]["content"];
     let thinking = |text: &str| json!({ "type": "thinking", "thinking": text, "signature": fake_signature(text) });
@@ -323,7 +277,8 @@ async fn cut_off_in_a_call(wire: Wire, provider: &str, sse: String) {
     fake.script([Reply::sse(sse, 9)]);
     let downstream = Downstream::start().await;
     let server = server(&fake, provider, &downstream, "", "").await;
-    let (_, _, ended) = run_once(&server, "Go.").await;
+    let token = server.token("acme", "ada");
+    let (_, _, ended) = run_to_end(&server, &token, "model", "Go.").await;
     assert_eq!(ended["status"], "FAILED", "{ended}");
     assert_eq!(ended["error"]["code"], "max_tokens", "{ended}");
     let message = ended["error"]["message"].as_str().unwrap();

@@ -16,10 +16,10 @@ use tether::providers::{
 use crate::fakes::{
     AnthropicBlock, FakeProvider, FakeToolCall, KEY, Reply, Wire, anthropic_sse,
     anthropic_sse_blocks, anthropic_sse_failing, anthropic_sse_thinking,
-    anthropic_sse_thinking_tool_calls, anthropic_sse_tool_calls, fake_signature, openai_sse,
-    openai_sse_tool_calls,
+    anthropic_sse_thinking_tool_calls, anthropic_sse_tool_calls, fake_signature, model_config,
+    openai_sse, openai_sse_tool_calls, server_with_key,
 };
-use crate::support::{Server, ServerOptions, events_with_retries as events, of_type};
+use crate::support::{Server, events_with_retries as events, of_type};
 
 async fn server_for(fake: &FakeProvider, provider: &str) -> Server {
     server_with(fake, provider, "").await
@@ -28,38 +28,20 @@ async fn server_for(fake: &FakeProvider, provider: &str) -> Server {
 /// A server whose one agent `model` talks to the fake, with `extra` TOML
 /// appended to the agent (its `[agents.*]` tables).
 pub async fn server_with(fake: &FakeProvider, provider: &str, extra: &str) -> Server {
-    let config = format!(
-        r#"
-[runtime]
-checkpoint_ms = 40
-poll_ms = 100
-
-[[agents]]
-name = "model"
-provider = "{provider}"
-model = "fake-model"
-system = "Be brief."
-base_url = "{base}"
-api_key_env = "TETHER_TEST_PROVIDER_KEY"
+    let agent = r#"system = "Be brief."
 max_tokens = 321
 idle_timeout_secs = 5
-price = {{ input_per_mtok = 3.0, output_per_mtok = 15.0 }}
-
+price = { input_per_mtok = 3.0, output_per_mtok = 15.0 }"#;
+    let rest = format!(
+        r#"
 [agents.retry]
 max_attempts = 3
 initial_delay_ms = 100
 max_delay_ms = 400
 
-{extra}
-"#,
-        base = fake.base_url
+{extra}"#
     );
-    Server::start_with(ServerOptions {
-        config,
-        env: vec![("TETHER_TEST_PROVIDER_KEY".into(), KEY.into())],
-        role: "all",
-    })
-    .await
+    server_with_key(model_config(provider, &fake.base_url, "", agent, &rest)).await
 }
 
 fn stream(sse: String, chunk_bytes: usize) -> Reply {

@@ -12,10 +12,11 @@ use serde_json::{Value, json};
 
 use crate::downstream::Downstream;
 use crate::fakes::{
-    FakeProvider, FakeToolCall, KEY, Reply, Wire, anthropic_sse, anthropic_sse_tool_calls,
+    FakeProvider, FakeToolCall, KEY, Reply, Wire, anthropic_sse, anthropic_sse_tool_calls, key_env,
+    model_config, server_with_key,
 };
 use crate::support::{SECRET, Server, ServerOptions, events_with_retries};
-use crate::tools::tool_calls;
+use crate::tools::{run_to_end, tool_calls};
 
 const PATH_SECRET: &str = "T0-PATHSECRET-1f2e";
 const QUERY_SECRET: &str = "QUERYSECRET-9a8b";
@@ -91,34 +92,11 @@ fn assert_hidden(what: &str, text: &str, secrets: &[&str]) {
 /// A server whose agent `model` talks to the Anthropic fake at `base_url`
 /// and offers `tools` (their `[[tools]]` sections in `tool_sections`).
 async fn anthropic_server(base_url: &str, agent_keys: &str, tool_sections: &str) -> Server {
-    let config = format!(
-        r#"
-[runtime]
-checkpoint_ms = 40
-poll_ms = 100
-
-[[agents]]
-name = "model"
-provider = "anthropic"
-model = "fake-model"
-base_url = "{base_url}"
-api_key_env = "TETHER_TEST_PROVIDER_KEY"
-idle_timeout_secs = 5
-{agent_keys}
-
-[agents.retry]
-max_attempts = 2
-initial_delay_ms = 50
-max_delay_ms = 100
-{tool_sections}
-"#
+    let agent = format!("idle_timeout_secs = 5\n{agent_keys}");
+    let rest = format!(
+        "\n[agents.retry]\nmax_attempts = 2\ninitial_delay_ms = 50\nmax_delay_ms = 100\n{tool_sections}"
     );
-    Server::start_with(ServerOptions {
-        config,
-        env: vec![("TETHER_TEST_PROVIDER_KEY".into(), KEY.into())],
-        role: "all",
-    })
-    .await
+    server_with_key(model_config("anthropic", base_url, "", &agent, &rest)).await
 }
 
 /// A `[[tools]]` section calling `url` with `POST`.
@@ -126,14 +104,6 @@ fn tool_section(name: &str, url: &str, extra: &str) -> String {
     format!(
         "\n[[tools]]\nname = {name:?}\ndescription = \"A test tool\"\ninput_schema = {{ type = \"object\", properties = {{ text = {{ type = \"string\" }} }}, required = [\"text\"], additionalProperties = false }}\n{extra}\nhttp = {{ url = {url:?}, timeout_secs = 5 }}\n"
     )
-}
-
-async fn run_once(server: &Server, text: &str) -> (String, String, String, Value) {
-    let token = server.token("acme", "ada");
-    let conversation = server.conversation_with(&token, "model").await;
-    let (_, run) = server.send(&token, &conversation, text).await;
-    let ended = server.wait_until_ended(&token, &run).await;
-    (token, conversation, run, ended)
 }
 
 #[tokio::test]
@@ -148,7 +118,8 @@ async fn an_unreachable_tool_url_keeps_its_secret_from_tenants_the_model_and_the
     ]);
     let tools = tool_section("hook", &url, "");
     let mut server = anthropic_server(&fake.base_url, "tools = [\"hook\"]", &tools).await;
-    let (token, conversation, run, ended) = run_once(&server, "Call the hook.").await;
+    let token = server.token("acme", "ada");
+    let (conversation, run, ended) = run_to_end(&server, &token, "model", "Call the hook.").await;
     assert_eq!(ended["status"], "COMPLETED", "{ended}");
 
     let calls = tool_calls(&server, &token, &run).await;
@@ -184,7 +155,8 @@ async fn an_unreachable_provider_base_url_keeps_its_key_from_run_errors_and_retr
     let port = closed_port().await;
     let base_url = format!("http://127.0.0.1:{port}/proxy?key={BASE_URL_KEY}");
     let mut server = anthropic_server(&base_url, "", "").await;
-    let (token, conversation, run, ended) = run_once(&server, "Hello?").await;
+    let token = server.token("acme", "ada");
+    let (conversation, run, ended) = run_to_end(&server, &token, "model", "Hello?").await;
     assert_eq!(ended["status"], "FAILED", "{ended}");
     let message = ended["error"]["message"].as_str().unwrap();
     assert!(message.contains("connection refused"), "{ended}");
@@ -216,7 +188,8 @@ async fn a_provider_redirect_fails_the_run_with_its_status_and_the_key_goes_nowh
         location: format!("{}/v1/messages", catcher.base),
     }]);
     let server = anthropic_server(&fake.base_url, "", "").await;
-    let (_, _, _, ended) = run_once(&server, "Hello?").await;
+    let token = server.token("acme", "ada");
+    let (_, _, ended) = run_to_end(&server, &token, "model", "Hello?").await;
     assert_eq!(ended["status"], "FAILED", "{ended}");
     assert_eq!(ended["error"]["code"], "redirect", "{ended}");
     let message = ended["error"]["message"].as_str().unwrap();
@@ -244,7 +217,9 @@ async fn a_tool_redirect_is_a_failed_call_the_model_reads_and_goes_nowhere() {
     );
     let config = scripted_config("tools = [\"moved\"]", &tools);
     let server = Server::start_workers(&config).await;
-    let (token, _, run, ended) = run_once(&server, "/tool moved {\"text\": \"a\"}").await;
+    let token = server.token("acme", "ada");
+    let (_, run, ended) =
+        run_to_end(&server, &token, "model", "/tool moved {\"text\": \"a\"}").await;
     assert_eq!(ended["status"], "COMPLETED", "{ended}");
     let calls = tool_calls(&server, &token, &run).await;
     assert_eq!(calls[0]["outcome"], "FAILED", "{calls:?}");
@@ -269,7 +244,9 @@ async fn an_endless_tool_answer_is_read_up_to_its_cap_and_marked_truncated() {
     // The inline limit is above the cap: only the cap can mark it truncated.
     let agent = "tools = [\"endless\"]\n\n[agents.limits]\nmax_inline_tool_output_bytes = 1048576";
     let server = Server::start_workers(&scripted_config(agent, &tools)).await;
-    let (token, _, run, ended) = run_once(&server, "/tool endless {\"text\": \"a\"}").await;
+    let token = server.token("acme", "ada");
+    let (_, run, ended) =
+        run_to_end(&server, &token, "model", "/tool endless {\"text\": \"a\"}").await;
     assert_eq!(ended["status"], "COMPLETED", "{ended}");
     let calls = tool_calls(&server, &token, &run).await;
     let call = &calls[0];
@@ -325,33 +302,18 @@ async fn a_debug_log_of_a_whole_scenario_holds_no_secret_key_or_token() {
         ),
     ]
     .concat();
+    let rest = format!(
+        "\n[agents.retry]\nmax_attempts = 3\ninitial_delay_ms = 50\nmax_delay_ms = 100\n{tools}"
+    );
     let mut server = Server::start_with(ServerOptions {
-        config: format!(
-            r#"
-[runtime]
-checkpoint_ms = 40
-poll_ms = 100
-
-[[agents]]
-name = "model"
-provider = "anthropic"
-model = "fake-model"
-base_url = "{}"
-api_key_env = "TETHER_TEST_PROVIDER_KEY"
-tools = ["hook", "publish"]
-
-[agents.retry]
-max_attempts = 3
-initial_delay_ms = 50
-max_delay_ms = 100
-{tools}
-"#,
-            fake.base_url
+        config: model_config(
+            "anthropic",
+            &fake.base_url,
+            "",
+            "tools = [\"hook\", \"publish\"]",
+            &rest,
         ),
-        env: vec![
-            ("TETHER_TEST_PROVIDER_KEY".into(), KEY.into()),
-            ("RUST_LOG".into(), "debug".into()),
-        ],
+        env: vec![key_env(), ("RUST_LOG".into(), "debug".into())],
         role: "all",
     })
     .await;

@@ -83,7 +83,9 @@ fn field<'a>(calls: &'a [Value], key: &str) -> Vec<&'a str> {
         .collect()
 }
 
-async fn run_to_end(
+/// `text` sent in a new conversation with `agent`, and the run waited on
+/// until it ended: (conversation, run, the ended run).
+pub async fn run_to_end(
     server: &Server,
     token: &str,
     agent: &str,

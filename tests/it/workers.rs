@@ -161,7 +161,7 @@ async fn two_engines_complete_200_runs_each_exactly_once_in_conversation_order()
                 let before = position(EventKind::RunCompleted, ids[i - 1])[0];
                 assert!(before < started[0], "conversation order kept");
             }
-            let row = reads::run(a.db(), "acme", *run_id).await.unwrap().unwrap();
+            let row = run_row(&a, *run_id).await;
             assert_eq!(row.status, "COMPLETED");
         }
     }
@@ -175,10 +175,7 @@ async fn a_worker_whose_lease_was_taken_over_commits_nothing() {
     let conversation_id = conversation(&store).await;
     send(&store, conversation_id, "hello").await;
 
-    let first = queue::claim(&store, "worker-a", 60_000, 1)
-        .await
-        .unwrap()
-        .remove(0);
+    let first = claim_one(&store, "worker-a").await;
     let lease_a = Lease::of(&first);
     let begun_a = runs::begin(&store, &lease_a).await.unwrap();
     runs::checkpoint(&store, &lease_a, &texts(&begun_a, "from a"))
@@ -191,10 +188,7 @@ async fn a_worker_whose_lease_was_taken_over_commits_nothing() {
         queue::reclaim(&store, Reclaim::Expired, 3).await.unwrap(),
         1
     );
-    let second = queue::claim(&store, "worker-b", 60_000, 1)
-        .await
-        .unwrap()
-        .remove(0);
+    let second = claim_one(&store, "worker-b").await;
     assert_eq!(second.id, first.id);
     assert!(second.lease_epoch > first.lease_epoch);
     let lease_b = Lease::of(&second);
@@ -249,25 +243,17 @@ async fn a_run_that_keeps_losing_its_worker_ends_with_recovery_limit() {
     let queued = send(&store, conversation_id, "hello").await;
     let budget = 2;
     for round in 0..=budget {
-        let claimed = queue::claim(&store, "doomed", 60_000, 1)
-            .await
-            .unwrap()
-            .remove(0);
+        let claimed = claim_one(&store, "doomed").await;
         runs::begin(&store, &Lease::of(&claimed)).await.unwrap();
         // The worker dies: nothing renews its lease.
-        let mut expired: run::ActiveModel = claimed.into();
-        expired.lease_expires_at = Set(Some(0));
-        expired.update(store.db()).await.unwrap();
+        expire_lease(&store, claimed.id, 0).await;
         assert_eq!(
             queue::reclaim(&store, Reclaim::Expired, budget)
                 .await
                 .unwrap(),
             1
         );
-        let row = reads::run(store.db(), "acme", queued.id)
-            .await
-            .unwrap()
-            .unwrap();
+        let row = run_row(&store, queued.id).await;
         if round < budget {
             assert_eq!(row.status, "QUEUED", "round {round}");
             assert_eq!(row.recoveries, round as i32 + 1);
@@ -284,6 +270,22 @@ async fn a_run_that_keeps_losing_its_worker_ends_with_recovery_limit() {
             .unwrap()
             .is_empty()
     );
+}
+
+/// The run `worker` claims (there must be one), leased for a minute.
+async fn claim_one(store: &Store, worker: &str) -> run::Model {
+    queue::claim(store, worker, 60_000, 1)
+        .await
+        .unwrap()
+        .remove(0)
+}
+
+/// The run's row as it is committed.
+async fn run_row(store: &Store, run_id: Uuid) -> run::Model {
+    reads::run(store.db(), "acme", run_id)
+        .await
+        .unwrap()
+        .unwrap()
 }
 
 /// Sets the run's lease to have run out at `at` (milliseconds), as if its
@@ -305,10 +307,7 @@ async fn a_heartbeat_does_not_renew_a_lease_that_already_ran_out() {
     let store = store(&db).await;
     let conversation_id = conversation(&store).await;
     let queued = send(&store, conversation_id, "hello").await;
-    let claimed = queue::claim(&store, "slow", 60_000, 1)
-        .await
-        .unwrap()
-        .remove(0);
+    let claimed = claim_one(&store, "slow").await;
     // The worker stalled past its lease; nobody has taken the run yet, but
     // a sweep may have listed it as stale already.
     expire_lease(&store, claimed.id, 1).await;
@@ -318,10 +317,7 @@ async fn a_heartbeat_does_not_renew_a_lease_that_already_ran_out() {
             .unwrap(),
         queue::Heartbeat::Lost
     );
-    let row = reads::run(store.db(), "acme", queued.id)
-        .await
-        .unwrap()
-        .unwrap();
+    let row = run_row(&store, queued.id).await;
     assert_eq!(row.lease_expires_at, Some(1), "not renewed");
     assert_eq!(
         queue::reclaim(&store, Reclaim::Expired, 3).await.unwrap(),
@@ -335,10 +331,7 @@ async fn a_restart_reclaims_only_the_leases_nobody_renewed_since_it_listed_them(
     let store = store(&db).await;
     let conversation_id = conversation(&store).await;
     let queued = send(&store, conversation_id, "hello").await;
-    let claimed = queue::claim(&store, "instance-1", 60_000, 1)
-        .await
-        .unwrap()
-        .remove(0);
+    let claimed = claim_one(&store, "instance-1").await;
     // A process with the same instance id starts while the first still
     // runs: it lists the leases under its id, and the first renews them.
     let held = queue::held_by(&store, "instance-1").await.unwrap();
@@ -355,10 +348,7 @@ async fn a_restart_reclaims_only_the_leases_nobody_renewed_since_it_listed_them(
             .unwrap(),
         0
     );
-    let row = reads::run(store.db(), "acme", queued.id)
-        .await
-        .unwrap()
-        .unwrap();
+    let row = run_row(&store, queued.id).await;
     assert_eq!(row.status, "RUNNING");
     assert_eq!(row.lease_epoch, claimed.lease_epoch);
 
@@ -371,10 +361,7 @@ async fn a_restart_reclaims_only_the_leases_nobody_renewed_since_it_listed_them(
             .unwrap(),
         1
     );
-    let row = reads::run(store.db(), "acme", queued.id)
-        .await
-        .unwrap()
-        .unwrap();
+    let row = run_row(&store, queued.id).await;
     assert_eq!(row.status, "QUEUED");
     assert_eq!(row.recoveries, 1);
 }
