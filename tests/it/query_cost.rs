@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use serde_json::{Value, json};
 use tether::api::auth::Viewer;
-use tether::api::context::{RequestSnapshot, Services};
+use tether::api::context::Services;
 use tether::bus::Bus;
 use tether::config::FileConfig;
 use tether::store::Store;
