@@ -2,7 +2,6 @@
 //! per-request read snapshot.
 
 use std::collections::HashMap;
-use std::ops::Deref;
 use std::sync::Arc;
 
 use async_graphql::dataloader::{DataLoader, Loader};
@@ -146,28 +145,18 @@ impl<S: ShownByPart> Loader<PartKey<S>> for PartLoader {
     }
 }
 
-/// What a part shows, batched with the request's other parts where the
-/// request has a snapshot, else read on its own.
+/// What a part shows, batched with the request's other parts.
 pub async fn shown_by_part<S: ShownByPart>(
     ctx: &Context<'_>,
     shown: S,
     part: Uuid,
 ) -> ApiResult<Option<S::Row>> {
-    let tenant = &viewer(ctx)?.tenant;
-    match ctx.data_opt::<RequestSnapshot>() {
-        Some(request) => {
-            let key = PartKey {
-                tenant: Arc::from(tenant.as_str()),
-                part,
-                shown,
-            };
-            request.by_part.load_one(key).await
-        }
-        None => {
-            let db = snapshot(ctx).await?;
-            Ok(S::read(&db, tenant, &[part]).await?.remove(&part))
-        }
-    }
+    let key = PartKey {
+        tenant: Arc::from(viewer(ctx)?.tenant.as_str()),
+        part,
+        shown,
+    };
+    request_snapshot(ctx)?.by_part.load_one(key).await
 }
 
 /// Gives every query and mutation its one snapshot, whichever transport
@@ -211,28 +200,18 @@ pub fn operation_type(request: &mut Request) -> Option<OperationType> {
         .map(|(_, op)| op.node.ty)
 }
 
-/// The request's snapshot, or a snapshot of its own where the request has
-/// none (operations over WebSocket).
-pub enum Snapshot<'a> {
-    Shared(&'a DatabaseTransaction),
-    Own(DatabaseTransaction),
+/// The request's snapshot. Every query and mutation has one (`Snapshots`);
+/// a resolver reached without it (a subscription reading the database) is
+/// refused rather than served from a second, unrelated snapshot.
+pub async fn snapshot<'a>(ctx: &Context<'a>) -> ApiResult<&'a DatabaseTransaction> {
+    request_snapshot(ctx)?.shared.tx().await
 }
 
-impl Deref for Snapshot<'_> {
-    type Target = DatabaseTransaction;
-    fn deref(&self) -> &DatabaseTransaction {
-        match self {
-            Snapshot::Shared(tx) => tx,
-            Snapshot::Own(tx) => tx,
-        }
-    }
-}
-
-pub async fn snapshot<'a>(ctx: &Context<'a>) -> ApiResult<Snapshot<'a>> {
-    match ctx.data_opt::<RequestSnapshot>() {
-        Some(request) => Ok(Snapshot::Shared(request.shared.tx().await?)),
-        None => Ok(Snapshot::Own(services(ctx).store.begin_snapshot().await?)),
-    }
+fn request_snapshot<'a>(ctx: &Context<'a>) -> ApiResult<&'a RequestSnapshot> {
+    ctx.data::<RequestSnapshot>().map_err(|_| {
+        tracing::error!("resolver reached without a request snapshot");
+        ApiError::Internal
+    })
 }
 
 pub fn viewer<'a>(ctx: &Context<'a>) -> ApiResult<&'a Viewer> {

@@ -44,10 +44,7 @@ pub fn capped(text: &str, cap: usize) -> String {
     if text.len() <= cap {
         return text.to_owned();
     }
-    let mut end = cap;
-    while !text.is_char_boundary(end) {
-        end -= 1;
-    }
+    let end = text.floor_char_boundary(cap);
     format!(
         "{}\n[truncated by the server: {} of {} bytes shown]",
         &text[..end],

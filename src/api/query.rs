@@ -62,7 +62,7 @@ impl Query {
             return Ok(None);
         };
         let db = snapshot(ctx).await?;
-        let row = reads::conversation(&*db, &viewer(ctx)?.tenant, id).await?;
+        let row = reads::conversation(db, &viewer(ctx)?.tenant, id).await?;
         Ok(row.map(Conversation))
     }
 
@@ -89,7 +89,7 @@ impl Query {
         };
         let db = snapshot(ctx).await?;
         let (rows, has_more) =
-            reads::conversations(&*db, &viewer(ctx)?.tenant, first as u64, after).await?;
+            reads::conversations(db, &viewer(ctx)?.tenant, first as u64, after).await?;
         Ok(ConversationConnection {
             end_cursor: rows.last().map(|c| to_id(c.id).to_string()),
             nodes: rows.into_iter().map(Conversation).collect(),
@@ -102,7 +102,7 @@ impl Query {
             return Ok(None);
         };
         let db = snapshot(ctx).await?;
-        let row = reads::message(&*db, &viewer(ctx)?.tenant, id).await?;
+        let row = reads::message(db, &viewer(ctx)?.tenant, id).await?;
         Ok(row.map(Message::new))
     }
 
@@ -111,7 +111,7 @@ impl Query {
             return Ok(None);
         };
         let db = snapshot(ctx).await?;
-        let row = reads::part(&*db, &viewer(ctx)?.tenant, id).await?;
+        let row = reads::part(db, &viewer(ctx)?.tenant, id).await?;
         Ok(row.map(Part))
     }
 
@@ -120,7 +120,7 @@ impl Query {
             return Ok(None);
         };
         let db = snapshot(ctx).await?;
-        let row = reads::run(&*db, &viewer(ctx)?.tenant, id).await?;
+        let row = reads::run(db, &viewer(ctx)?.tenant, id).await?;
         Ok(row.map(Run))
     }
 
@@ -172,11 +172,11 @@ impl Query {
         let conversation_id = parse_id(&conversation_id).ok_or(ApiError::NotFound)?;
         let tenant = &viewer(ctx)?.tenant;
         let db = snapshot(ctx).await?;
-        reads::conversation(&*db, tenant, conversation_id)
+        reads::conversation(db, tenant, conversation_id)
             .await?
             .ok_or(ApiError::NotFound)?;
         let mut events = reads::events_after(
-            &*db,
+            db,
             tenant,
             conversation_id,
             after.unwrap_or(Cursor::START),
@@ -209,7 +209,7 @@ async fn pending(
     };
     let db = snapshot(ctx).await?;
     let rows = reads::interactions_of_run(
-        &*db,
+        db,
         &viewer(ctx)?.tenant,
         run_id,
         kind.as_str(),

@@ -84,9 +84,9 @@ impl Conversation {
         };
         let tenant = &viewer(ctx)?.tenant;
         let db = snapshot(ctx).await?;
-        let rows = reads::messages(&*db, tenant, self.0.id, Some(last as u64), before).await?;
+        let rows = reads::messages(db, tenant, self.0.id, Some(last as u64), before).await?;
         let ids: Vec<Uuid> = rows.iter().map(|m| m.id).collect();
-        let mut parts = reads::parts_of(&*db, tenant, &ids).await?;
+        let mut parts = reads::parts_of(db, tenant, &ids).await?;
         Ok(rows
             .into_iter()
             .map(|row| {
@@ -108,7 +108,7 @@ impl Conversation {
         }
         let tenant = &viewer(ctx)?.tenant;
         let db = snapshot(ctx).await?;
-        let rows = reads::runs_of(&*db, tenant, self.0.id, last as u64).await?;
+        let rows = reads::runs_of(db, tenant, self.0.id, last as u64).await?;
         Ok(rows.into_iter().map(Run).collect())
     }
 
@@ -116,7 +116,7 @@ impl Conversation {
     async fn active_run(&self, ctx: &Context<'_>) -> ApiResult<Option<Run>> {
         let tenant = &viewer(ctx)?.tenant;
         let db = snapshot(ctx).await?;
-        let rows = reads::unended_runs(&*db, tenant, self.0.id).await?;
+        let rows = reads::unended_runs(db, tenant, self.0.id).await?;
         Ok(rows.into_iter().next().map(Run))
     }
 
@@ -125,7 +125,7 @@ impl Conversation {
     async fn last_cursor(&self, ctx: &Context<'_>) -> ApiResult<String> {
         let tenant = &viewer(ctx)?.tenant;
         let db = snapshot(ctx).await?;
-        let row = reads::conversation(&*db, tenant, self.0.id)
+        let row = reads::conversation(db, tenant, self.0.id)
             .await?
             .ok_or(ApiError::NotFound)?;
         Ok(Cursor(row.event_seq).to_string())
@@ -187,7 +187,7 @@ impl Message {
             None => {
                 let tenant = &viewer(ctx)?.tenant;
                 let db = snapshot(ctx).await?;
-                reads::parts_of(&*db, tenant, &[self.row.id])
+                reads::parts_of(db, tenant, &[self.row.id])
                     .await?
                     .remove(&self.row.id)
                     .unwrap_or_default()
@@ -417,7 +417,7 @@ impl Run {
     async fn tool_calls(&self, ctx: &Context<'_>) -> ApiResult<Vec<ToolCall>> {
         let tenant = &viewer(ctx)?.tenant;
         let db = snapshot(ctx).await?;
-        let rows = reads::tool_calls_of_run(&*db, tenant, self.0.id).await?;
+        let rows = reads::tool_calls_of_run(db, tenant, self.0.id).await?;
         Ok(rows.into_iter().map(ToolCall).collect())
     }
 

@@ -161,10 +161,7 @@ pub fn inline_output(output: &Value, max_bytes: usize) -> InlineOutput {
             truncated: false,
         };
     }
-    let mut cut = max_bytes;
-    while !text.is_char_boundary(cut) {
-        cut -= 1;
-    }
+    let cut = text.floor_char_boundary(max_bytes);
     let note = format!(
         "[output truncated: {} of {} bytes cut]",
         text.len() - cut,
