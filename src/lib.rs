@@ -7,6 +7,7 @@
 pub mod api;
 pub mod bus;
 pub mod config;
+pub mod connections;
 pub mod domain;
 pub mod providers;
 pub mod redact;
