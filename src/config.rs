@@ -826,14 +826,6 @@ impl FileConfig {
                 )?;
                 duration_secs(&format!("{key}.http.timeout_secs"), http.timeout_secs)?;
             }
-            // Connections are not implemented yet: such a tool would be
-            // called without the user's credentials. Fail closed.
-            if tool.connection.is_some() {
-                return Err(invalid(
-                    format!("{key}.connection"),
-                    "connections are not supported yet; remove `connection` from this tool",
-                ));
-            }
         }
 
         let mut providers = HashSet::new();
@@ -867,12 +859,33 @@ impl FileConfig {
                     )?;
                 }
                 ConnectionMode::Token => {
-                    conn.token =
-                        required_env(&format!("{key}.token_env"), conn.token_env.as_deref(), env)?;
+                    // Read now, but a missing credential fails the calls
+                    // that need it, naming `token_env`, rather than the
+                    // whole server.
+                    let Some(var) = conn.token_env.as_deref() else {
+                        return Err(invalid(
+                            format!("{key}.token_env"),
+                            "is required for mode = \"token\"",
+                        ));
+                    };
+                    conn.token = env(var).filter(|token| !token.is_empty());
                 }
             }
             at_least(&format!("{key}.consent_ttl_secs"), conn.consent_ttl_secs, 1)?;
             duration_secs(&format!("{key}.consent_ttl_secs"), conn.consent_ttl_secs)?;
+        }
+        for (i, tool) in self.tools.iter().enumerate() {
+            if let Some(connection) = &tool.connection
+                && !providers.contains(&connection.provider)
+            {
+                return Err(invalid(
+                    format!("tools[{i}].connection.provider"),
+                    format!(
+                        "names the provider {:?}, which no [[connections]] entry configures",
+                        connection.provider
+                    ),
+                ));
+            }
         }
 
         if self.agents.is_empty() {
@@ -1598,16 +1611,31 @@ mod tests {
     }
 
     #[test]
-    fn a_tool_with_a_connection_is_refused_until_connections_exist() {
+    fn a_tool_needs_a_configured_provider_and_connections_a_key() {
         let key = base64::engine::general_purpose::STANDARD.encode([7u8; 32]);
-        let toml = format!(
-            "{AGENT}[[tools]]\nname = \"t\"\ndescription = \"d\"\ninput_schema = {{ type = \"object\" }}\nhttp = {{ url = \"http://127.0.0.1:9/\" }}\nconnection = {{ provider = \"acme\" }}\n[[connections]]\nprovider = \"acme\"\nmode = \"token\"\ntoken_env = \"ACME\"\n"
-        );
+        let tool = "[[tools]]\nname = \"t\"\ndescription = \"d\"\ninput_schema = { type = \"object\" }\nhttp = { url = \"http://127.0.0.1:9/\" }\nconnection = { provider = \"acme\" }\n";
+        let acme = "[[connections]]\nprovider = \"acme\"\nmode = \"token\"\ntoken_env = \"ACME\"\n";
         let err = message(load_with(
-            &toml,
-            &[("ACME", "t"), ("TETHER_ENCRYPTION_KEY", &key)],
+            &format!("{AGENT}{tool}"),
+            &[("TETHER_ENCRYPTION_KEY", &key)],
         ));
-        assert!(err.contains("tools[0].connection"), "{err}");
+        assert!(err.contains("tools[0].connection.provider"), "{err}");
+        // A missing token fails the calls that need it, not start-up.
+        let config = load_with(
+            &format!("{AGENT}{tool}{acme}"),
+            &[("TETHER_ENCRYPTION_KEY", &key)],
+        )
+        .unwrap();
+        assert!(config.file.connections[0].token.is_none());
+        for bad in ["", "c2hvcnQ=", "not base64!"] {
+            let err = message(load_with(
+                &format!("{AGENT}{tool}{acme}"),
+                &[("ACME", "t"), ("TETHER_ENCRYPTION_KEY", bad)],
+            ));
+            assert!(err.contains("TETHER_ENCRYPTION_KEY"), "{bad:?}: {err}");
+        }
+        let err = message(load_with(&format!("{AGENT}{tool}{acme}"), &[("ACME", "t")]));
+        assert!(err.contains("TETHER_ENCRYPTION_KEY"), "{err}");
     }
 
     #[test]

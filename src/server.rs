@@ -8,6 +8,7 @@ use tokio::net::TcpListener;
 use crate::api::{self, auth::Authenticator, auth::secret_file, context::Services};
 use crate::bus::{self, Bus};
 use crate::config::{Config, SecretSource};
+use crate::connections::Connections;
 use crate::runtime::{Runtime, RuntimeOptions};
 use crate::store::Store;
 use crate::tools;
@@ -107,7 +108,13 @@ pub async fn start(config: Config, role: Role) -> anyhow::Result<Running> {
         );
     }
     let file = Arc::new(config.file.clone());
-    let tools = Arc::new(tools::registry::Registry::from_config(&config.file)?);
+    let connections = Arc::new(Connections::new(
+        &config.file,
+        config.encryption_key.as_ref(),
+    ));
+    let tools = Arc::new(
+        tools::registry::Registry::from_config(&config.file)?.with_connections(connections.clone()),
+    );
     let runtime = (role != Role::Api).then(|| {
         Runtime::start(
             store.clone(),
@@ -122,6 +129,7 @@ pub async fn start(config: Config, role: Role) -> anyhow::Result<Running> {
     let services = Services {
         store: store.clone(),
         config: file,
+        connections,
     };
     let app = match role {
         Role::Worker => api::health_router(services),

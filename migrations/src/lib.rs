@@ -10,6 +10,7 @@ mod m0002_runtime;
 mod m0003_summaries;
 mod m0004_tool_calls;
 mod m0005_interactions;
+mod m0006_connections;
 mod shape;
 
 pub struct Migrator;
@@ -23,6 +24,7 @@ impl MigratorTrait for Migrator {
             Box::new(m0003_summaries::Migration),
             Box::new(m0004_tool_calls::Migration),
             Box::new(m0005_interactions::Migration),
+            Box::new(m0006_connections::Migration),
         ]
     }
 }

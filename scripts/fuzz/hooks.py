@@ -13,7 +13,9 @@ from hypothesis import strategies as st
 from schemathesis.graphql import nodes
 
 # The contract's codes a client may see for a refused or failed request.
-TYPED = {"UNAUTHENTICATED", "NOT_FOUND", "BAD_USER_INPUT", "CONFLICT", "FORBIDDEN", "TIMEOUT"}
+TYPED = {
+    "UNAUTHENTICATED", "NOT_FOUND", "BAD_USER_INPUT", "CONFLICT", "FORBIDDEN", "TIMEOUT", "UNAVAILABLE",
+}
 LEAKS = ("panicked", "SELECT ", "INSERT ", "UPDATE ", "sqlx", "sea_orm", "stack backtrace", "src/")
 
 # `JSON` is sent inline; any small JSON object will do as input.

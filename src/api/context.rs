@@ -18,6 +18,7 @@ use uuid::Uuid;
 use super::auth::Viewer;
 use super::error::{ApiError, ApiResult};
 use crate::config::FileConfig;
+use crate::connections::Connections;
 use crate::store::entities::{interaction, tool_call};
 use crate::store::{self, Store, reads};
 
@@ -26,6 +27,7 @@ use crate::store::{self, Store, reads};
 pub struct Services {
     pub store: Store,
     pub config: Arc<FileConfig>,
+    pub connections: Arc<Connections>,
 }
 
 /// One read-only transaction per request, begun on first use, so that every

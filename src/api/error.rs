@@ -24,6 +24,8 @@ pub enum ApiError {
     },
     Conflict(String),
     Forbidden(String),
+    /// A service the operation needs did not answer; nothing changed.
+    Unavailable(String),
     Internal,
 }
 
@@ -46,7 +48,9 @@ impl ApiError {
         match self {
             ApiError::NotFound => "not found",
             ApiError::BadInput { message, .. } => message,
-            ApiError::Conflict(message) | ApiError::Forbidden(message) => message,
+            ApiError::Conflict(message)
+            | ApiError::Forbidden(message)
+            | ApiError::Unavailable(message) => message,
             ApiError::Internal => "internal error",
         }
     }
@@ -57,6 +61,7 @@ impl ApiError {
             ApiError::BadInput { .. } => "BAD_USER_INPUT",
             ApiError::Conflict(_) => "CONFLICT",
             ApiError::Forbidden(_) => "FORBIDDEN",
+            ApiError::Unavailable(_) => "UNAVAILABLE",
             ApiError::Internal => "INTERNAL",
         }
     }
@@ -69,6 +74,7 @@ impl From<store::Error> for ApiError {
             store::Error::Conflict(message) => ApiError::Conflict(message),
             store::Error::Invalid { key, message } => ApiError::BadInput { key, message },
             store::Error::Forbidden(message) => ApiError::Forbidden(message),
+            store::Error::Unavailable(message) => ApiError::Unavailable(message),
             err @ (store::Error::Database(_)
             | store::Error::Corrupt(_)
             | store::Error::Fenced

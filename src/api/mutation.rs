@@ -6,6 +6,7 @@ use super::types::{Conversation, Message, Run, parse_id};
 use crate::domain::ActiveRunStrategy;
 use crate::domain::interaction::{Answer, ApprovalDecision};
 use crate::store::commands::{self, Actor, NewConversation, NewMessage};
+use crate::store::connections::{self, Owner};
 use crate::store::interactions::{self, Resolution};
 
 pub struct Mutation;
@@ -179,7 +180,59 @@ impl Mutation {
         };
         resolve(ctx, &input.interaction_id, resolution).await
     }
+
+    /// The person came back from the provider's consent screen: with a
+    /// `code` (given) or an `error` such as `access_denied` (declined).
+    /// `resumed` is true exactly once; a state that is unknown, expired,
+    /// or another's is `NOT_FOUND`.
+    async fn complete_connection(
+        &self,
+        ctx: &Context<'_>,
+        input: CompleteConnectionInput,
+    ) -> ApiResult<ResumePayload> {
+        if input.state.len() > MAX_OAUTH_PARAMETER {
+            // No state this long was ever handed out.
+            return Err(ApiError::NotFound);
+        }
+        if input
+            .code
+            .as_ref()
+            .is_some_and(|c| c.len() > MAX_OAUTH_PARAMETER)
+        {
+            return Err(ApiError::bad_key("code", "code is too long"));
+        }
+        let services = services(ctx);
+        let (run, resumed) = services
+            .connections
+            .complete(
+                &services.store,
+                &actor(ctx)?,
+                &input.state,
+                input.code.as_deref(),
+                input.error.as_deref(),
+            )
+            .await?;
+        Ok(ResumePayload {
+            run: Run(run),
+            resumed,
+        })
+    }
+
+    /// Deletes the caller's connection to `provider`; false when there was
+    /// none. A run that needs it afterwards asks for a new consent.
+    async fn disconnect(&self, ctx: &Context<'_>, provider: String) -> ApiResult<bool> {
+        let actor = actor(ctx)?;
+        let owner = Owner {
+            tenant: &actor.tenant,
+            principal: &actor.principal,
+            provider: &provider,
+        };
+        Ok(connections::delete(&services(ctx).store, owner).await?)
+    }
 }
+
+/// The longest `state` or `code` accepted, in bytes.
+const MAX_OAUTH_PARAMETER: usize = 4096;
 
 async fn resolve(
     ctx: &Context<'_>,
@@ -212,6 +265,14 @@ pub struct QuestionAnswerInput {
 pub struct DecideApprovalInput {
     interaction_id: ID,
     decision: ApprovalDecision,
+}
+
+/// Exactly one of `code` (consent given) and `error` (declined).
+#[derive(InputObject)]
+pub struct CompleteConnectionInput {
+    state: String,
+    code: Option<String>,
+    error: Option<String>,
 }
 
 #[derive(SimpleObject)]

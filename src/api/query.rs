@@ -5,13 +5,13 @@ use super::cost;
 use super::error::{ApiError, ApiResult};
 use super::events::{EventPage, TransportEvent};
 use super::types::{
-    Conversation, ConversationConnection, Interaction, Message, Part, PendingApproval,
-    PendingQuestion, Run, parse_id, to_id,
+    Connection, Conversation, ConversationConnection, Interaction, Message, Part, PendingApproval,
+    PendingConnection, PendingQuestion, Run, parse_id, to_id,
 };
 use crate::domain::cursor::Cursor;
 use crate::domain::interaction::{InteractionKind, InteractionStatus};
 use crate::domain::time::now_millis;
-use crate::store::reads;
+use crate::store::{connections, reads};
 
 pub struct Query;
 
@@ -150,6 +150,25 @@ impl Query {
         run_id: ID,
     ) -> ApiResult<Vec<PendingApproval>> {
         approvals(ctx, &run_id).await
+    }
+
+    /// The run's pending consent; null once it is resolved.
+    async fn pending_connection(
+        &self,
+        ctx: &Context<'_>,
+        run_id: ID,
+    ) -> ApiResult<Option<PendingConnection>> {
+        let pending = pending(ctx, &run_id, InteractionKind::Connection).await?;
+        Ok(pending.into_iter().next().map(PendingConnection))
+    }
+
+    /// The caller's own connections (its tenant and principal); never a
+    /// token.
+    async fn connections(&self, ctx: &Context<'_>) -> ApiResult<Vec<Connection>> {
+        let viewer = viewer(ctx)?;
+        let db = snapshot(ctx).await?;
+        let rows = connections::of_principal(db, &viewer.tenant, &viewer.principal).await?;
+        Ok(rows.into_iter().map(Connection).collect())
     }
 
     /// Persisted events of a conversation after `after` (from the first

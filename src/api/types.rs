@@ -9,13 +9,18 @@ use super::context::{
 use super::cost;
 use super::error::{ApiError, ApiResult};
 use crate::domain::cursor::Cursor;
-use crate::domain::interaction::{Answer, ApprovalDecision, InteractionStatus, QuestionSpec};
+use crate::domain::interaction::{
+    Answer, ApprovalDecision, ConnectionGap, InteractionStatus, QuestionSpec,
+};
 use crate::domain::run::{EndCause, RunError, RunStatus, Usage};
-use crate::domain::time::{Millis, from_rfc3339, to_rfc3339};
+use crate::domain::time::{Millis, from_rfc3339, now_millis, to_rfc3339};
 use crate::domain::tool_call::{ToolCallStatus, ToolOutcome};
 use crate::domain::{MessageRole, PartKind, PartState};
-use crate::store::entities::{conversation, interaction, message, part, run, tool_call};
-use crate::store::interactions::{self, ApprovalRequest};
+use crate::store::connections;
+use crate::store::entities::{
+    connection, conversation, interaction, message, part, run, tool_call,
+};
+use crate::store::interactions::{self, ApprovalRequest, ConnectionRequest};
 use crate::store::{parse_stored, reads};
 
 /// RFC 3339 in UTC with `Z` and exactly milliseconds.
@@ -230,7 +235,7 @@ impl Part {
         self.0.data.clone().map(Json)
     }
 
-    /// The interaction a QUESTION or APPROVAL part shows.
+    /// The interaction a QUESTION, APPROVAL or CONNECTION part shows.
     async fn interaction_id(&self) -> Option<ID> {
         self.0
             .data
@@ -252,6 +257,13 @@ impl Part {
             return Ok(None);
         }
         Ok(self.interaction(ctx).await?.map(ApprovalPart))
+    }
+
+    async fn connection(&self, ctx: &Context<'_>) -> ApiResult<Option<ConnectionPart>> {
+        if self.0.kind != PartKind::Connection.as_str() {
+            return Ok(None);
+        }
+        Ok(self.interaction(ctx).await?.map(ConnectionPart))
     }
 
     /// The call a TOOL_CALL part shows.
@@ -455,10 +467,15 @@ where
     parse_stored(value, what).map_err(ApiError::from)
 }
 
-/// A question or an approval, as its part and the pending queries show it.
+/// A question, an approval or a consent, as its part and the pending
+/// queries show it.
 pub struct Interaction(pub interaction::Model);
 
 impl Interaction {
+    fn connection(&self) -> ApiResult<ConnectionRequest> {
+        Ok(interactions::connection_of(&self.0)?)
+    }
+
     fn questions(&self) -> ApiResult<Vec<QuestionSpec>> {
         Ok(interactions::questions_of(&self.0)?)
     }
@@ -619,5 +636,108 @@ impl PendingApproval {
             .copied()
             .filter(|d| self.allow_always || *d != ApprovalDecision::AllowAlways)
             .collect()
+    }
+}
+
+pub struct ConnectionPart(pub Interaction);
+
+#[Object]
+impl ConnectionPart {
+    async fn provider(&self) -> ApiResult<String> {
+        Ok(self.0.connection()?.provider)
+    }
+
+    async fn gap(&self) -> ApiResult<ConnectionGap> {
+        Ok(self.0.connection()?.gap)
+    }
+
+    async fn status(&self) -> ApiResult<InteractionStatus> {
+        self.0.status()
+    }
+}
+
+pub struct PendingConnection(pub Interaction);
+
+#[Object]
+impl PendingConnection {
+    /// Equal to `interactionId`, so client caches can normalize it.
+    async fn id(&self) -> ID {
+        to_id(self.0.0.id)
+    }
+
+    async fn interaction_id(&self) -> ID {
+        to_id(self.0.0.id)
+    }
+
+    async fn run_id(&self) -> ID {
+        to_id(self.0.0.run_id)
+    }
+
+    async fn tool_call_id(&self) -> ID {
+        to_id(self.0.0.tool_call_id)
+    }
+
+    async fn provider(&self) -> ApiResult<String> {
+        Ok(self.0.connection()?.provider)
+    }
+
+    async fn gap(&self) -> ApiResult<ConnectionGap> {
+        Ok(self.0.connection()?.gap)
+    }
+
+    /// The scopes the waiting call needs.
+    async fn required_scopes(&self) -> ApiResult<Vec<String>> {
+        Ok(self.0.connection()?.required_scopes)
+    }
+
+    /// Where the person gives consent; it brings them back to the
+    /// provider's `redirect_uri` with `code` and `state`.
+    async fn login_url(&self) -> ApiResult<String> {
+        Ok(self.0.connection()?.login_url)
+    }
+
+    async fn created_at(&self) -> DateTime {
+        DateTime(self.0.0.created_at)
+    }
+
+    async fn expires_at(&self) -> DateTime {
+        DateTime(self.0.0.expires_at)
+    }
+}
+
+/// Whether a stored connection's token still works (or can be renewed).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, async_graphql::Enum)]
+pub enum ConnectionStatus {
+    Active,
+    Expired,
+}
+
+/// One of the caller's connections: never a token.
+pub struct Connection(pub connection::Model);
+
+#[Object]
+impl Connection {
+    async fn provider(&self) -> &str {
+        &self.0.provider
+    }
+
+    async fn scopes(&self) -> ApiResult<Vec<String>> {
+        Ok(connections::scopes_of(&self.0)?)
+    }
+
+    /// `EXPIRED` once the access token has run out and there is no refresh
+    /// token to renew it.
+    async fn status(&self) -> ConnectionStatus {
+        let lapsed = self.0.expires_at.is_some_and(|at| at <= now_millis());
+        if lapsed && self.0.refresh_token.is_none() {
+            ConnectionStatus::Expired
+        } else {
+            ConnectionStatus::Active
+        }
+    }
+
+    /// When the access token runs out; null when the provider did not say.
+    async fn expires_at(&self) -> Option<DateTime> {
+        self.0.expires_at.map(DateTime)
     }
 }

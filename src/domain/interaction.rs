@@ -1,6 +1,7 @@
-//! Interactions: a person's part in a run. Questions (`ask_questions`) and
-//! approvals of gated tool calls; each is PENDING until resolved once,
-//! expired or cancelled. Answers are validated here, purely.
+//! Interactions: a person's part in a run. Questions (`ask_questions`),
+//! approvals of gated tool calls and consents to connect an account; each
+//! is PENDING until resolved once, expired or cancelled. Answers are
+//! validated here, purely.
 
 use std::collections::HashSet;
 
@@ -25,6 +26,15 @@ stored_enum!(
         Resolved => "RESOLVED",
         Expired => "EXPIRED",
         Cancelled => "CANCELLED",
+    }
+);
+
+stored_enum!(
+    /// Why a call that needs a connection cannot have its token.
+    ConnectionGap {
+        Absent => "ABSENT",
+        Expired => "EXPIRED",
+        InsufficientScope => "INSUFFICIENT_SCOPE",
     }
 );
 

@@ -86,6 +86,18 @@ pub struct RunError {
     pub retryable: bool,
 }
 
+impl RunError {
+    /// The error of a run that a limit or a condition of Tether's own ended.
+    pub fn of_cause(cause: EndCause, message: String) -> RunError {
+        RunError {
+            code: cause.as_str().to_owned(),
+            message,
+            http_status: None,
+            retryable: false,
+        }
+    }
+}
+
 /// Tokens and cost summed over a run.
 #[derive(
     Debug,

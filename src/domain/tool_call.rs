@@ -48,8 +48,8 @@ pub struct ToolCallState {
 pub enum ToolInput {
     /// Its effect is about to start (committed before it does).
     Start,
-    /// It cannot run at all (its tool is gone, its input unusable): it fails
-    /// without starting.
+    /// It cannot run at all (its tool is gone, its input unusable, the
+    /// consent it waited for was declined): it fails without starting.
     Reject,
     /// The effect answered: success or a failure the model can read.
     Finish { succeeded: bool },
@@ -106,7 +106,7 @@ impl ToolCallState {
         use ToolCallStatus::*;
         let next = match (self.status, input) {
             (Requested, ToolInput::Start) => self.executing(),
-            (Requested, ToolInput::Reject) => self.completed(ToolOutcome::Failed),
+            (Requested | Awaiting, ToolInput::Reject) => self.completed(ToolOutcome::Failed),
             (Executing, ToolInput::Finish { succeeded: true }) => {
                 self.completed(ToolOutcome::Succeeded)
             }

@@ -19,6 +19,7 @@ use tracing::Instrument;
 
 use super::failpoints;
 use crate::config::{Recovery, TenantRules};
+use crate::connections::Credential;
 use crate::domain::interaction::questions;
 use crate::domain::retry::RetryPolicy;
 use crate::domain::time::secs_to_millis;
@@ -78,6 +79,18 @@ impl Batch {
         self.active.fetch_sub(1, Ordering::SeqCst);
         self.changed.notify_waiters();
     }
+}
+
+/// What a call has for its connection.
+enum Access {
+    /// Ready to run, with the token when its tool declares a connection.
+    Token(Option<String>),
+    /// It failed without a token, and has its result.
+    Failed,
+    /// Its consent was settled without a token (declined, expired).
+    Settled,
+    /// It waits for a consent, and nothing else of the batch runs.
+    Waiting,
 }
 
 /// How often a waiting call looks for its decision while others run.
@@ -201,11 +214,108 @@ impl Runner<'_> {
             }
         }
         let replay = status == ToolCallStatus::Executing;
+        let bearer = match self.access(call, tool, replay, batch).await? {
+            Access::Token(bearer) => bearer,
+            Access::Failed => {
+                batch.settle();
+                return Ok(false);
+            }
+            Access::Settled => return Ok(false),
+            Access::Waiting => return Ok(true),
+        };
         let result = self
-            .effect(call, tool, input, replay, waited || approved, batch)
+            .effect(
+                call,
+                tool,
+                input,
+                replay,
+                waited || approved,
+                batch,
+                bearer.as_deref(),
+            )
             .await;
         batch.settle();
         result.map(|()| false)
+    }
+
+    /// The token of the call's connection. A gap pauses the call for a
+    /// consent when the provider offers one (and this call has not had one
+    /// already); otherwise the call fails, saying which credential and why.
+    async fn access(
+        &self,
+        call: &tool_call::Model,
+        tool: &Tool,
+        replay: bool,
+        batch: &Batch,
+    ) -> store::Result<Access> {
+        let Some(need) = &tool.connection else {
+            return Ok(Access::Token(None));
+        };
+        let connections = self.tools.connections.clone();
+        loop {
+            let (run, need_now) = (self.run.clone(), need.clone());
+            let found = {
+                let connections = connections.clone();
+                self.whole(move |s, _| async move {
+                    connections
+                        .credential(&s, &run.tenant, &run.principal, &need_now)
+                        .await
+                })
+                .await?
+            };
+            let output = match found {
+                Credential::Bearer(token) => return Ok(Access::Token(Some(token))),
+                Credential::Unavailable(why) => json!({ "error": why }),
+                Credential::Gap(gap) => {
+                    let id = call.id;
+                    let offer = if replay
+                        || self
+                            .whole(move |s, _| async move {
+                                interactions::consented_before(&s, id).await
+                            })
+                            .await?
+                    {
+                        None
+                    } else {
+                        connections.offer(&self.run.tenant, &self.run.principal, need, gap)
+                    };
+                    match offer {
+                        Some(offer) => {
+                            let call_row = call.clone();
+                            self.whole(move |s, l| async move {
+                                interactions::ask_connection(
+                                    &s,
+                                    &l,
+                                    &call_row,
+                                    &offer.request,
+                                    offer.consent,
+                                    offer.ttl_ms,
+                                )
+                                .await
+                            })
+                            .await?;
+                            match self.decision(call, batch).await? {
+                                // Consent given: the token is there now.
+                                Decided::Run => continue,
+                                Decided::Settled => return Ok(Access::Settled),
+                                Decided::Pending => return Ok(Access::Waiting),
+                            }
+                        }
+                        None => connections.gap_failure(&tool.name, need, gap),
+                    }
+                }
+            };
+            if replay {
+                let (id, max) = (call.id, self.max_inline_bytes);
+                self.whole(move |s, l| async move {
+                    tool_calls::complete(&s, &l, id, false, &output, max, false).await
+                })
+                .await?;
+            } else {
+                self.fail_at_once(call, &output).await?;
+            }
+            return Ok(Access::Failed);
+        }
     }
 
     /// A call that cannot run ends `FAILED` with `output`, never started.
@@ -281,6 +391,7 @@ impl Runner<'_> {
 
     /// Runs the call's effect: committed `EXECUTING` first, the result
     /// after. A `never_replay` call cut off while executing ends `UNKNOWN`.
+    #[allow(clippy::too_many_arguments)]
     async fn effect(
         &self,
         call: &tool_call::Model,
@@ -289,6 +400,7 @@ impl Runner<'_> {
         replay: bool,
         approved: bool,
         batch: &Batch,
+        bearer: Option<&str>,
     ) -> store::Result<()> {
         let id = call.id;
         if replay && tool.recovery == Recovery::NeverReplay {
@@ -315,6 +427,7 @@ impl Runner<'_> {
             idempotency_key: &started.idempotency_key,
             retry: &self.retry,
             cleared,
+            bearer,
         })
         .await;
         failpoints::hit("after_tool_response");

@@ -436,6 +436,17 @@ impl Steps<'_> {
         if let Some(stop) = self.control.reason() {
             return self.stop(stop, &attempt, step).await;
         }
+        // A consent that ran out while the batch ran ends the run.
+        if let Some(request) = interactions::consent_expired(store, self.run.id).await? {
+            let message = interactions::consent_expired_message(&request, None);
+            let ending = failed(
+                EndCause::ConsentExpired,
+                message,
+                attempt.usage(agent),
+                step + 1,
+            );
+            return over(end(store, lease, &attempt, ending).await);
+        }
 
         // Step end.
         let usage = attempt.usage(agent);
@@ -1026,7 +1037,7 @@ fn ended(cause: EndCause, usage: Usage, steps: i32) -> Ending {
 fn failed(cause: EndCause, message: String, usage: Usage, steps: i32) -> Ending {
     Ending {
         cause,
-        error: Some(run_error(cause, message.clone())),
+        error: Some(RunError::of_cause(cause, message.clone())),
         reason: Some(message),
         usage,
         steps,
@@ -1065,15 +1076,6 @@ fn usage_of(run: &run::Model) -> Usage {
         input_tokens: run.input_tokens,
         output_tokens: run.output_tokens,
         cost_usd: run.cost_usd,
-    }
-}
-
-fn run_error(cause: EndCause, message: String) -> RunError {
-    RunError {
-        code: cause.as_str().to_owned(),
-        message,
-        http_status: None,
-        retryable: false,
     }
 }
 

@@ -299,3 +299,79 @@ pub mod grant {
 
     impl ActiveModelBehavior for ActiveModel {}
 }
+
+pub mod connection {
+    use sea_orm::entity::prelude::*;
+
+    /// A principal's account at another service. The tokens are sealed.
+    #[derive(Clone, PartialEq, DeriveEntityModel)]
+    #[sea_orm(table_name = "connections")]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub id: Uuid,
+        pub tenant: String,
+        pub principal: String,
+        pub provider: String,
+        /// Granted scopes, a JSON array of strings.
+        pub scopes: Json,
+        pub access_token: String,
+        pub refresh_token: Option<String>,
+        /// The key that sealed the tokens.
+        pub key_id: String,
+        pub expires_at: Option<i64>,
+        pub created_at: i64,
+        pub updated_at: i64,
+    }
+
+    // Sealed tokens are still not for logs.
+    impl std::fmt::Debug for Model {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.debug_struct("Connection")
+                .field("tenant", &self.tenant)
+                .field("principal", &self.principal)
+                .field("provider", &self.provider)
+                .field("scopes", &self.scopes)
+                .field("expires_at", &self.expires_at)
+                .finish_non_exhaustive()
+        }
+    }
+
+    #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]
+    pub enum Relation {}
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
+pub mod consent {
+    use sea_orm::entity::prelude::*;
+
+    /// An OAuth authorization request on its way, found by its `state`.
+    #[derive(Clone, PartialEq, DeriveEntityModel)]
+    #[sea_orm(table_name = "consents")]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub state: String,
+        pub interaction_id: Uuid,
+        pub tenant: String,
+        pub principal: String,
+        pub provider: String,
+        /// The sealed PKCE verifier.
+        pub verifier: String,
+        pub key_id: String,
+        pub created_at: i64,
+    }
+
+    impl std::fmt::Debug for Model {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.debug_struct("Consent")
+                .field("interaction_id", &self.interaction_id)
+                .field("provider", &self.provider)
+                .finish_non_exhaustive()
+        }
+    }
+
+    #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]
+    pub enum Relation {}
+
+    impl ActiveModelBehavior for ActiveModel {}
+}

@@ -1,5 +1,5 @@
-//! Questions and approvals: the worker's commits that open them and park
-//! the run, the API's commits that resolve them (once, re-queueing a parked
+//! Questions, approvals and connection consents: the worker's commits that
+//! open them and park the run, the API's commits that resolve them (once, re-queueing a parked
 //! run in the same transaction), the worker's claim of a decision, and the
 //! sweep of expired ones. Parking and resolving both lock the conversation
 //! row first, so a resolution is never slept through: either it commits
@@ -13,16 +13,18 @@ use serde_json::{Value, json};
 use uuid::Uuid;
 
 use super::commands::Actor;
-use super::entities::{grant, interaction, run, tool_call};
+use super::connections::{self as stored_connections, Owner, Sealed};
+use super::entities::{consent, grant, interaction, run, tool_call};
 use super::runs::{self, Lease, PartContent, open};
 use super::tool_calls::change_in;
 use super::{Error, Result, Store, WriteTx, parse_stored, reads};
 use crate::domain::PartKind;
 use crate::domain::event::{EventBody, EventKind, NewEvent};
 use crate::domain::interaction::{
-    Answer, ApprovalDecision, InteractionKind, InteractionStatus, QuestionSpec, validate_answers,
+    Answer, ApprovalDecision, ConnectionGap, InteractionKind, InteractionStatus, QuestionSpec,
+    validate_answers,
 };
-use crate::domain::run::{RunInput, RunStatus, Usage, Waiting, transition};
+use crate::domain::run::{EndCause, RunError, RunInput, RunStatus, Usage, Waiting, transition};
 use crate::domain::time::now_millis;
 use crate::domain::tool_call::{ToolInput, closing_output};
 
@@ -37,6 +39,42 @@ pub struct ApprovalRequest {
     pub input: Value,
     pub estimated_cost_usd: Option<f64>,
     pub idempotency_key: String,
+}
+
+/// What a consent offer asks of a person, stored when the call pauses.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ConnectionRequest {
+    pub provider: String,
+    pub gap: ConnectionGap,
+    pub required_scopes: Vec<String>,
+    pub login_url: String,
+}
+
+/// The server's half of a consent offer: the `state` the browser brings
+/// back, and the sealed PKCE verifier.
+pub struct NewConsent {
+    pub state: String,
+    pub principal: String,
+    pub verifier: String,
+    pub key_id: String,
+}
+
+/// How a consent came back.
+#[derive(Clone)]
+pub enum Completion {
+    /// The token endpoint granted these (already sealed for the owner).
+    Granted(Sealed),
+    /// The person declined (the provider's `error`, e.g. `access_denied`).
+    Declined(String),
+}
+
+/// What a resolved connection interaction records.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+enum Consented {
+    Granted,
+    Declined { error: String },
 }
 
 fn interaction_event(kind: EventKind, run_id: Uuid, interaction_id: Uuid) -> NewEvent {
@@ -73,6 +111,18 @@ pub fn answers_of(row: &interaction::Model) -> Result<Option<Vec<Answer>>> {
 
 pub fn approval_of(row: &interaction::Model) -> Result<ApprovalRequest> {
     serde_json::from_value(row.request.clone()).map_err(|e| Error::Corrupt(e.to_string()))
+}
+
+pub fn connection_of(row: &interaction::Model) -> Result<ConnectionRequest> {
+    serde_json::from_value(row.request.clone()).map_err(|e| Error::Corrupt(e.to_string()))
+}
+
+fn consented_of(row: &interaction::Model) -> Result<Option<Consented>> {
+    row.resolution
+        .clone()
+        .map(serde_json::from_value)
+        .transpose()
+        .map_err(|e| Error::Corrupt(e.to_string()))
 }
 
 pub fn decision_of(row: &interaction::Model) -> Result<Option<ApprovalDecision>> {
@@ -231,6 +281,169 @@ pub async fn ask_approval(
     Ok(())
 }
 
+/// A call that needs a connection the principal lacks: it waits
+/// (`AWAITING`) for the consent, whose `state` and verifier are kept for
+/// `complete`.
+pub async fn ask_connection(
+    store: &Store,
+    lease: &Lease,
+    call: &tool_call::Model,
+    request: &ConnectionRequest,
+    consent: NewConsent,
+    ttl_ms: i64,
+) -> Result<()> {
+    let (mut tx, conversation, row) = open(store, lease).await?;
+    let (_, mut events) = change_in(&tx, &row, call.id, ToolInput::Await, |_, _| {}).await?;
+    let (id, opened) = open_interaction(
+        &tx,
+        &row,
+        call,
+        InteractionKind::Connection,
+        to_json(request)?,
+        ttl_ms,
+    )
+    .await?;
+    consent::ActiveModel {
+        state: Set(consent.state),
+        interaction_id: Set(id),
+        tenant: Set(row.tenant.clone()),
+        principal: Set(consent.principal),
+        provider: Set(request.provider.clone()),
+        verifier: Set(consent.verifier),
+        key_id: Set(consent.key_id),
+        created_at: Set(now_millis()),
+    }
+    .insert(&*tx)
+    .await?;
+    events.extend(opened);
+    tx.append(&conversation, events).await?;
+    store.commit(tx).await?;
+    Ok(())
+}
+
+/// Whether this call already waited for a consent (a second gap after one
+/// fails instead of asking again).
+pub async fn consented_before(store: &Store, call_id: Uuid) -> Result<bool> {
+    Ok(interaction::Entity::find()
+        .filter(interaction::Column::ToolCallId.eq(call_id))
+        .filter(interaction::Column::Kind.eq(InteractionKind::Connection.as_str()))
+        .one(store.db())
+        .await?
+        .is_some())
+}
+
+/// The provider of a consent of the run that expired: the run ends
+/// `CONSENT_EXPIRED`.
+pub async fn consent_expired(store: &Store, run_id: Uuid) -> Result<Option<ConnectionRequest>> {
+    let found = interaction::Entity::find()
+        .filter(interaction::Column::RunId.eq(run_id))
+        .filter(interaction::Column::Kind.eq(InteractionKind::Connection.as_str()))
+        .filter(interaction::Column::Status.eq(InteractionStatus::Expired.as_str()))
+        .one(store.db())
+        .await?;
+    found.as_ref().map(connection_of).transpose()
+}
+
+/// Why a run whose consent expired ends.
+pub fn consent_expired_message(request: &ConnectionRequest, ttl_ms: Option<i64>) -> String {
+    let within = ttl_ms.map_or(String::new(), |ms| format!(" within {} s", ms / 1000));
+    format!(
+        "the consent to connect {} was not completed{within}",
+        request.provider
+    )
+}
+
+/// The consent a `state` belongs to, with its interaction, for the tenant
+/// and principal it was bound to; `None` for anyone else.
+pub async fn consent_of(
+    store: &Store,
+    actor: &Actor,
+    state: &str,
+) -> Result<Option<(consent::Model, interaction::Model)>> {
+    let Some(found) = consent::Entity::find_by_id(state.to_owned())
+        .one(store.db())
+        .await?
+    else {
+        return Ok(None);
+    };
+    if found.tenant != actor.tenant || found.principal != actor.principal {
+        return Ok(None);
+    }
+    let Some(row) = reads::interaction(store.db(), &actor.tenant, found.interaction_id).await?
+    else {
+        return Ok(None);
+    };
+    Ok(Some((found, row)))
+}
+
+/// Records how a consent came back, once: the connection stored (when it
+/// was granted), the interaction resolved with `connection.completed`, and a
+/// parked run re-queued, in one transaction. A consent already resolved
+/// gives `false`; an expired or cancelled one is `NOT_FOUND`, like a
+/// stranger's.
+pub async fn complete(
+    store: &Store,
+    actor: &Actor,
+    interaction_id: Uuid,
+    completion: Completion,
+) -> Result<(run::Model, bool)> {
+    let Some(found) = reads::interaction(store.db(), &actor.tenant, interaction_id).await? else {
+        return Err(Error::NotFound);
+    };
+    let mut tx = store.begin_write().await?;
+    let conversation = tx
+        .lock_conversation(found.conversation_id, &actor.tenant)
+        .await?;
+    let row = interaction::Entity::find_by_id(interaction_id)
+        .one(&*tx)
+        .await?
+        .ok_or(Error::NotFound)?;
+    let run_row = run::Entity::find_by_id(row.run_id)
+        .one(&*tx)
+        .await?
+        .ok_or(Error::NotFound)?;
+    match status_of(&row)? {
+        InteractionStatus::Pending if row.expires_at <= now_millis() => {
+            if let Some(events) = expire_in(&tx, &row).await? {
+                tx.append(&conversation, events).await?;
+                store.commit(tx).await?;
+            }
+            return Err(Error::NotFound);
+        }
+        InteractionStatus::Pending => {}
+        InteractionStatus::Resolved => return Ok((run_row, false)),
+        InteractionStatus::Expired | InteractionStatus::Cancelled => return Err(Error::NotFound),
+    }
+    let request = connection_of(&row)?;
+    let recorded = match completion {
+        Completion::Granted(sealed) => {
+            let owner = Owner {
+                tenant: &actor.tenant,
+                principal: &actor.principal,
+                provider: &request.provider,
+            };
+            stored_connections::save_in(&*tx, owner, sealed).await?;
+            Consented::Granted
+        }
+        Completion::Declined(error) => Consented::Declined { error },
+    };
+    let mut active: interaction::ActiveModel = row.into();
+    active.status = Set(InteractionStatus::Resolved.as_str().to_owned());
+    active.resolution = Set(Some(to_json(&recorded)?));
+    active.resolved_by = Set(Some(actor.principal.clone()));
+    active.resolved_at = Set(Some(now_millis()));
+    active.update(&*tx).await?;
+    let mut events = vec![interaction_event(
+        EventKind::ConnectionCompleted,
+        run_row.id,
+        interaction_id,
+    )];
+    let run_row = resume_parked(&tx, run_row, InteractionKind::Connection, &mut events).await?;
+    tx.append(&conversation, events).await?;
+    store.commit(tx).await?;
+    Ok((run_row, true))
+}
+
 /// A waiting call that can no longer run (its tool is gone): its
 /// interaction closes (`CANCELLED`) and the call gets its one result,
 /// `NOT_STARTED` with `output`, in one transaction.
@@ -287,6 +500,7 @@ pub async fn granted(store: &Store, run: &run::Model, tool: &str) -> Result<bool
 pub async fn approved(store: &Store, call_id: Uuid) -> Result<bool> {
     let found = interaction::Entity::find()
         .filter(interaction::Column::ToolCallId.eq(call_id))
+        .filter(interaction::Column::Kind.eq(InteractionKind::Approval.as_str()))
         .filter(interaction::Column::Status.eq(InteractionStatus::Resolved.as_str()))
         .filter(interaction::Column::ClaimedAt.is_not_null())
         .one(store.db())
@@ -324,9 +538,12 @@ pub async fn take_decision(store: &Store, lease: &Lease, call_id: Uuid) -> Resul
         return Ok(Decided::Pending);
     }
     let (mut tx, conversation, row) = open(store, lease).await?;
+    // The newest of the call's interactions is the one it waits for (an
+    // approved call may wait for a connection next).
     let found = interaction::Entity::find()
         .filter(interaction::Column::ToolCallId.eq(call_id))
         .filter(interaction::Column::RunId.eq(row.id))
+        .order_by_desc(interaction::Column::Id)
         .one(&*tx)
         .await?
         .ok_or(Error::NotFound)?;
@@ -350,11 +567,26 @@ pub async fn take_decision(store: &Store, lease: &Lease, call_id: Uuid) -> Resul
     if claimed.rows_affected != 1 {
         return Ok(Decided::Settled);
     }
-    let (input, decided) = match (status, decision_of(&found)?) {
-        (InteractionStatus::Resolved, Some(ApprovalDecision::Deny)) => {
-            (ToolInput::Refuse { expired: false }, Decided::Settled)
-        }
-        (InteractionStatus::Resolved, Some(_)) => (ToolInput::Allow, Decided::Run),
+    let mut output = None;
+    let (input, decided) = match (status, kind_of(&found)?) {
+        (InteractionStatus::Resolved, InteractionKind::Connection) => match consented_of(&found)? {
+            Some(Consented::Declined { error }) => {
+                let provider = connection_of(&found)?.provider;
+                output = Some(json!({
+                    "error": format!(
+                        "the person declined to connect {provider} ({error}); the tool did not run"
+                    )
+                }));
+                (ToolInput::Reject, Decided::Settled)
+            }
+            _ => (ToolInput::Allow, Decided::Run),
+        },
+        (InteractionStatus::Resolved, _) => match decision_of(&found)? {
+            Some(ApprovalDecision::Deny) => {
+                (ToolInput::Refuse { expired: false }, Decided::Settled)
+            }
+            _ => (ToolInput::Allow, Decided::Run),
+        },
         (InteractionStatus::Expired, _) => (ToolInput::Refuse { expired: true }, Decided::Settled),
         // Cancelled with its run, which closed the call too.
         _ => {
@@ -364,7 +596,7 @@ pub async fn take_decision(store: &Store, lease: &Lease, call_id: Uuid) -> Resul
     };
     let (_, events) = change_in(&tx, &row, call_id, input, |active, state| {
         if let Some(outcome) = state.outcome {
-            active.output = Set(Some(closing_output(outcome)));
+            active.output = Set(Some(output.unwrap_or_else(|| closing_output(outcome))));
         }
     })
     .await?;
@@ -390,15 +622,38 @@ pub async fn park(
     if row.cancel_requested {
         return Err(Error::CancelRequested);
     }
-    let kind = match waiting {
-        Waiting::Question => InteractionKind::Question,
-        Waiting::Approval => InteractionKind::Approval,
-        Waiting::Connection => InteractionKind::Connection,
+    let batch_kinds = [
+        InteractionKind::Approval.as_str(),
+        InteractionKind::Connection.as_str(),
+    ];
+    let waiting = match waiting {
+        Waiting::Question => {
+            if pending_of_run(&tx, row.id, InteractionKind::Question)
+                .await?
+                .is_empty()
+            {
+                return Ok(false);
+            }
+            Waiting::Question
+        }
+        // A batch waits for approvals and consents alike; the run shows the
+        // kind of its earliest waiting call (call ids follow batch order).
+        Waiting::Approval | Waiting::Connection => {
+            let earliest = interaction::Entity::find()
+                .filter(interaction::Column::RunId.eq(row.id))
+                .filter(interaction::Column::Kind.is_in(batch_kinds))
+                .filter(interaction::Column::Status.eq(InteractionStatus::Pending.as_str()))
+                .order_by_asc(interaction::Column::ToolCallId)
+                .one(&*tx)
+                .await?;
+            match earliest.as_ref().map(kind_of).transpose()? {
+                None => return Ok(false),
+                Some(InteractionKind::Connection) => Waiting::Connection,
+                Some(_) => Waiting::Approval,
+            }
+        }
     };
-    if pending_of_run(&tx, row.id, kind).await?.is_empty() {
-        return Ok(false);
-    }
-    if waiting == Waiting::Approval {
+    if waiting != Waiting::Question {
         // Only a decision this step's batch can still take counts: one of
         // an earlier step, or a cancelled one, is never taken, and would
         // keep the run from parking for good.
@@ -410,7 +665,7 @@ pub async fn park(
             .to_owned();
         let untaken = interaction::Entity::find()
             .filter(interaction::Column::RunId.eq(row.id))
-            .filter(interaction::Column::Kind.eq(kind.as_str()))
+            .filter(interaction::Column::Kind.is_in(batch_kinds))
             .filter(interaction::Column::Status.is_in([
                 InteractionStatus::Resolved.as_str(),
                 InteractionStatus::Expired.as_str(),
@@ -671,7 +926,7 @@ pub async fn expire_due(store: &Store) -> Result<usize> {
     Ok(expired)
 }
 
-async fn expire_one(store: &Store, found: &interaction::Model) -> Result<bool> {
+pub(crate) async fn expire_one(store: &Store, found: &interaction::Model) -> Result<bool> {
     let mut tx = store.begin_write().await?;
     let conversation = tx
         .lock_conversation(found.conversation_id, &found.tenant)
@@ -703,8 +958,21 @@ async fn expire_in(tx: &WriteTx, found: &interaction::Model) -> Result<Option<Ve
         found.run_id,
         found.id,
     )];
-    if let Some(run_row) = run::Entity::find_by_id(found.run_id).one(&**tx).await? {
+    let Some(run_row) = run::Entity::find_by_id(found.run_id).one(&**tx).await? else {
+        return Ok(Some(events));
+    };
+    let status = reads::run_status(&run_row)?;
+    if kind != InteractionKind::Connection {
         resume_parked(tx, run_row, kind, &mut events).await?;
+    } else if !status.is_ended() && status != RunStatus::Running {
+        // A consent past its time ends the run; a running one is ended by
+        // its worker, which finds the consent expired.
+        let message = consent_expired_message(
+            &connection_of(found)?,
+            Some(found.expires_at - found.created_at),
+        );
+        let error = RunError::of_cause(EndCause::ConsentExpired, message);
+        events.extend(runs::end(tx, run_row, EndCause::ConsentExpired, Some(error)).await?);
     }
     Ok(Some(events))
 }

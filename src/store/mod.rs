@@ -2,6 +2,7 @@
 //! the reads the API and the runtime share. Backend differences live here.
 
 pub mod commands;
+pub mod connections;
 pub mod entities;
 pub mod interactions;
 pub mod queue;
@@ -58,6 +59,10 @@ pub enum Error {
     /// A policy refuses it.
     #[error("{0}")]
     Forbidden(String),
+    /// A service it needs (an authorization server) could not be reached;
+    /// nothing changed, and it may be tried again.
+    #[error("{0}")]
+    Unavailable(String),
     /// A stored value this build cannot read: refuse rather than guess.
     #[error("corrupt stored data: {0}")]
     Corrupt(String),

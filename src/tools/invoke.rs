@@ -26,6 +26,8 @@ pub struct Invocation<'a> {
     /// A person approved this call, or a standing grant covers it. A tool
     /// with a risk category never runs without it.
     pub cleared: bool,
+    /// The token of the tool's connection, sent as `Authorization: Bearer`.
+    pub bearer: Option<&'a str>,
 }
 
 /// How the effect came out, and whether its output is cut short.
@@ -105,6 +107,10 @@ async fn http_call(target: &HttpTarget, call: &Invocation<'_>) -> Outcome {
             .header("X-Tether-Run-Id", call.run_id.to_string())
             .header("X-Tether-Tool-Call-Id", call.tool_call_id.to_string())
             .json(call.input);
+        let request = match call.bearer {
+            Some(token) => request.bearer_auth(token),
+            None => request,
+        };
         let transient = match attempt(request, target.max_response_bytes).await {
             Ok(outcome) => return outcome,
             Err(transient) => transient,

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use serde_json::{Map, Value, json};
 
 use crate::config::{AgentConfig, FileConfig, HttpTarget, Recovery, ToolConfig, ToolConnection};
+use crate::connections::Connections;
 
 /// How a tool runs.
 #[derive(Debug, Clone)]
@@ -53,6 +54,8 @@ pub enum RegistryError {
 #[derive(Debug, Default)]
 pub struct Registry {
     tools: HashMap<String, Arc<Tool>>,
+    /// Where tools that declare a connection get their tokens.
+    pub connections: Arc<Connections>,
 }
 
 impl Registry {
@@ -65,7 +68,18 @@ impl Registry {
             let tool = tool?;
             tools.insert(tool.name.clone(), Arc::new(tool));
         }
-        Ok(Registry { tools })
+        Ok(Registry {
+            tools,
+            connections: Arc::new(Connections::new(config, None)),
+        })
+    }
+
+    /// The same tools, with tokens from `connections` (which holds the key).
+    pub fn with_connections(self, connections: Arc<Connections>) -> Registry {
+        Registry {
+            connections,
+            ..self
+        }
     }
 
     pub fn get(&self, name: &str) -> Option<&Arc<Tool>> {

@@ -36,6 +36,7 @@ pub struct Recorded {
     pub key: Option<String>,
     pub run_id: Option<String>,
     pub tool_call_id: Option<String>,
+    pub authorization: Option<String>,
     pub body: Value,
 }
 
@@ -159,6 +160,7 @@ async fn handle(
         key: key.clone(),
         run_id: header(&headers, "x-tether-run-id"),
         tool_call_id: header(&headers, "x-tether-tool-call-id"),
+        authorization: header(&headers, "authorization"),
         body: body.clone(),
     });
     shared.changed.notify_waiters();

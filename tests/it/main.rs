@@ -4,6 +4,7 @@
 mod support;
 
 mod auth;
+mod connections;
 mod conversations;
 mod crash;
 mod downstream;
@@ -14,6 +15,7 @@ mod input_limits;
 mod instances;
 mod interactions;
 mod model_history;
+mod oauth_server;
 mod provider_tools;
 mod providers;
 mod query_cost;

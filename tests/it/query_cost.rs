@@ -323,9 +323,11 @@ async fn statements_for(server: &Server, tenant: &str, query: &str) -> u64 {
     let store = Store::connect(server.database_url(), Bus::new())
         .await
         .unwrap();
+    let config = FileConfig::from_toml(BASE_CONFIG).unwrap();
     let schema = tether::api::schema(Services {
         store: store.clone(),
-        config: Arc::new(FileConfig::from_toml(BASE_CONFIG).unwrap()),
+        connections: Arc::new(tether::connections::Connections::new(&config, None)),
+        config: Arc::new(config),
     });
     let before = store.read_statements();
     let response = schema

@@ -1,0 +1,119 @@
+//! Stored connections: one row per tenant, principal and provider, with the
+//! granted scopes, the sealed tokens and their expiry. Sealing and opening
+//! happen in `crate::connections`; this module only keeps the rows.
+
+use sea_orm::ActiveValue::Set;
+use sea_orm::sea_query::OnConflict;
+use sea_orm::{ColumnTrait, ConnectionTrait, EntityTrait, QueryFilter, QueryOrder};
+use uuid::Uuid;
+
+use super::entities::connection;
+use super::{Error, Result, Store};
+use crate::domain::time::now_millis;
+
+/// Whose connection, to which provider.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Owner<'a> {
+    pub tenant: &'a str,
+    pub principal: &'a str,
+    pub provider: &'a str,
+}
+
+/// What a token endpoint granted, sealed for its owner.
+#[derive(Clone)]
+pub struct Sealed {
+    pub scopes: Vec<String>,
+    pub access_token: String,
+    pub refresh_token: Option<String>,
+    pub key_id: String,
+    pub expires_at: Option<i64>,
+}
+
+pub fn scopes_of(row: &connection::Model) -> Result<Vec<String>> {
+    serde_json::from_value(row.scopes.clone()).map_err(|e| Error::Corrupt(e.to_string()))
+}
+
+pub async fn find<C: ConnectionTrait>(
+    db: &C,
+    owner: Owner<'_>,
+) -> Result<Option<connection::Model>> {
+    Ok(connection::Entity::find()
+        .filter(connection::Column::Tenant.eq(owner.tenant))
+        .filter(connection::Column::Principal.eq(owner.principal))
+        .filter(connection::Column::Provider.eq(owner.provider))
+        .one(db)
+        .await?)
+}
+
+/// A principal's connections, by provider name.
+pub async fn of_principal<C: ConnectionTrait>(
+    db: &C,
+    tenant: &str,
+    principal: &str,
+) -> Result<Vec<connection::Model>> {
+    Ok(connection::Entity::find()
+        .filter(connection::Column::Tenant.eq(tenant))
+        .filter(connection::Column::Principal.eq(principal))
+        .order_by_asc(connection::Column::Provider)
+        .all(db)
+        .await?)
+}
+
+/// Stores the owner's connection, replacing the one it had.
+pub async fn save_in<C: ConnectionTrait>(db: &C, owner: Owner<'_>, sealed: Sealed) -> Result<()> {
+    let now = now_millis();
+    let scopes = serde_json::to_value(&sealed.scopes).map_err(|e| Error::Corrupt(e.to_string()))?;
+    connection::Entity::insert(connection::ActiveModel {
+        id: Set(Uuid::now_v7()),
+        tenant: Set(owner.tenant.to_owned()),
+        principal: Set(owner.principal.to_owned()),
+        provider: Set(owner.provider.to_owned()),
+        scopes: Set(scopes),
+        access_token: Set(sealed.access_token),
+        refresh_token: Set(sealed.refresh_token),
+        key_id: Set(sealed.key_id),
+        expires_at: Set(sealed.expires_at),
+        created_at: Set(now),
+        updated_at: Set(now),
+    })
+    .on_conflict(
+        OnConflict::columns([
+            connection::Column::Tenant,
+            connection::Column::Principal,
+            connection::Column::Provider,
+        ])
+        .update_columns([
+            connection::Column::Scopes,
+            connection::Column::AccessToken,
+            connection::Column::RefreshToken,
+            connection::Column::KeyId,
+            connection::Column::ExpiresAt,
+            connection::Column::UpdatedAt,
+        ])
+        .to_owned(),
+    )
+    .exec(db)
+    .await?;
+    Ok(())
+}
+
+/// `save_in` in a transaction of its own (a refresh).
+pub async fn save(store: &Store, owner: Owner<'_>, sealed: Sealed) -> Result<()> {
+    let tx = store.begin_write().await?;
+    save_in(&*tx, owner, sealed).await?;
+    store.commit(tx).await?;
+    Ok(())
+}
+
+/// Deletes the owner's connection; false when there was none.
+pub async fn delete(store: &Store, owner: Owner<'_>) -> Result<bool> {
+    let tx = store.begin_write().await?;
+    let deleted = connection::Entity::delete_many()
+        .filter(connection::Column::Tenant.eq(owner.tenant))
+        .filter(connection::Column::Principal.eq(owner.principal))
+        .filter(connection::Column::Provider.eq(owner.provider))
+        .exec(&*tx)
+        .await?;
+    store.commit(tx).await?;
+    Ok(deleted.rows_affected > 0)
+}
