@@ -240,6 +240,8 @@ app.post('/token', express.urlencoded({ extended: false }), (req, res, next) => 
 
 service.on('beforeTokenSigning', (token) => {
   token.payload.exp = token.payload.iat + expiresIn;
+  // Tokens signed in the same second would otherwise be the same.
+  token.payload.jti = randomUUID();
 });
 
 service.on('beforeResponse', (response, req) => {
