@@ -852,6 +852,22 @@ impl FileConfig {
                             ));
                         }
                     }
+                    // Checked here so that building a login URL cannot fail.
+                    for (field, value) in [
+                        ("authorize_url", &conn.authorize_url),
+                        ("token_url", &conn.token_url),
+                        ("redirect_uri", &conn.redirect_uri),
+                    ] {
+                        let url = value.as_deref().and_then(|v| reqwest::Url::parse(v).ok());
+                        if !url.is_some_and(|u| {
+                            u.has_host() && ["http", "https"].contains(&u.scheme())
+                        }) {
+                            return Err(invalid(
+                                format!("{key}.{field}"),
+                                "must be an absolute http:// or https:// URL",
+                            ));
+                        }
+                    }
                     conn.client_secret = required_env(
                         &format!("{key}.client_secret_env"),
                         conn.client_secret_env.as_deref(),
@@ -1440,6 +1456,25 @@ mod tests {
         assert!(err.contains("TETHER_ENCRYPTION_KEY"), "{err}");
         let key = base64::engine::general_purpose::STANDARD.encode([7u8; 32]);
         assert!(load_with(toml, &[("ACME", "t"), ("TETHER_ENCRYPTION_KEY", &key)]).is_ok());
+    }
+
+    #[test]
+    fn oauth2_connection_urls_must_be_absolute_http_urls() {
+        let key = base64::engine::general_purpose::STANDARD.encode([7u8; 32]);
+        let toml = |token_url: &str| {
+            format!(
+                "{AGENT}[[connections]]\nprovider = \"acme\"\nmode = \"oauth2\"\nauthorize_url = \"https://a.example/authorize?x=1\"\ntoken_url = \"{token_url}\"\nclient_id = \"c\"\nclient_secret_env = \"ACME_SECRET\"\nredirect_uri = \"https://t.example/cb\"\n"
+            )
+        };
+        let env = [
+            ("TETHER_ENCRYPTION_KEY", key.as_str()),
+            ("ACME_SECRET", "s"),
+        ];
+        load_with(&toml("https://a.example/token"), &env).unwrap();
+        for bad in ["/token", "ftp://a.example/token", "https://"] {
+            let err = message(load_with(&toml(bad), &env));
+            assert!(err.contains("connections[0].token_url"), "{bad}: {err}");
+        }
     }
 
     const AGENT: &str = "[[agents]]\nname = \"a\"\nprovider = \"scripted\"\n";

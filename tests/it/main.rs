@@ -15,6 +15,7 @@ mod input_limits;
 mod instances;
 mod interactions;
 mod model_history;
+mod oauth_client;
 mod oauth_server;
 mod provider_tools;
 mod providers;
