@@ -388,13 +388,22 @@ impl Connections {
             .map_err(|e| Error::Corrupt(e.to_string()))?;
         let tokens = match oauth::exchange(config, code, &verifier).await {
             Ok(tokens) => tokens,
-            Err(OAuthError::Refused { error, .. }) => {
+            // Only `invalid_grant` is about the code; other refusals are
+            // about the configuration (the client, the grant type).
+            Err(OAuthError::Refused { error, .. }) if error == "invalid_grant" => {
                 return Err(Error::Invalid {
                     key: Some("code".into()),
                     message: format!(
                         "the authorization server refused the code ({error}); the consent is still open, start it again from its login URL"
                     ),
                 });
+            }
+            Err(OAuthError::Refused { error, .. }) => {
+                tracing::warn!(provider = %consent.provider, %error, "the token endpoint refused the client");
+                return Err(Error::Unavailable(format!(
+                    "the authorization server refused the exchange ({error}); check the {} connection's configuration",
+                    consent.provider
+                )));
             }
             Err(OAuthError::Unavailable(why)) => {
                 return Err(Error::Unavailable(format!(

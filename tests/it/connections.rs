@@ -7,13 +7,12 @@ use sea_orm::{ConnectionTrait, Database};
 use serde_json::{Value, json};
 
 use crate::downstream::Downstream;
-use crate::oauth_server::AuthServer;
+use crate::oauth_server::{AuthServer, CLIENT_SECRET, CONFIDENTIAL_CLIENT};
 use crate::support::{Server, ServerOptions, of_type};
 use crate::tools::tool_calls;
 
 /// base64 of 32 bytes: the test's `TETHER_ENCRYPTION_KEY`.
 const KEY: &str = "dGV0aGVyLXRlc3QtZW5jcnlwdGlvbi1rZXktMzJieXQ=";
-const CLIENT_SECRET: &str = "client-secret-of-the-test";
 
 const PENDING: &str = "query($r: ID!) { pendingConnection(runId: $r) { id interactionId runId provider gap requiredScopes loginUrl expiresAt } }";
 const COMPLETE: &str = "mutation($s: String!, $c: String, $e: String) { completeConnection(input: { state: $s, code: $c, error: $e }) { resumed run { id status } } }";
@@ -28,9 +27,10 @@ fn tool(name: &str, connection: &str, downstream: &Downstream) -> String {
 
 fn provider(name: &str, auth: &AuthServer, ttl_secs: u64) -> String {
     format!(
-        "\n[[connections]]\nprovider = {name:?}\nmode = \"oauth2\"\nauthorize_url = \"{}\"\ntoken_url = \"{}\"\nclient_id = \"tether-test\"\nclient_secret_env = \"GITHUB_CLIENT_SECRET\"\nredirect_uri = \"http://localhost:5173/oauth/callback\"\nconsent_ttl_secs = {ttl_secs}\n",
+        "\n[[connections]]\nprovider = {name:?}\nmode = \"oauth2\"\nauthorize_url = \"{}\"\ntoken_url = \"{}\"\nclient_id = \"{}\"\nclient_secret_env = \"GITHUB_CLIENT_SECRET\"\nredirect_uri = \"http://localhost:5173/oauth/callback\"\nconsent_ttl_secs = {ttl_secs}\n",
         auth.authorize_url(),
-        auth.token_url()
+        auth.token_url(),
+        CONFIDENTIAL_CLIENT,
     )
 }
 
@@ -142,7 +142,7 @@ async fn a_missing_connection_pauses_for_consent_and_the_tool_gets_the_token() {
     for parameter in [
         "code_challenge_method=S256",
         "response_type=code",
-        "client_id=tether-test",
+        &format!("client_id={CONFIDENTIAL_CLIENT}"),
     ] {
         assert!(login_url.contains(parameter), "{parameter} in {login_url}");
     }
@@ -315,6 +315,22 @@ async fn each_gap_pauses_with_its_name_and_an_expired_token_is_refreshed_once() 
         "both calls sent the refreshed token"
     );
     assert_ne!(last_two[0], bearers[0], "a new access token");
+
+    // The server rotated the refresh token (and refuses the old one): the
+    // next refresh works only if the new one was stored.
+    db.execute_unprepared("UPDATE connections SET expires_at = 1")
+        .await
+        .unwrap();
+    let (_, run) = server
+        .send(&token, &conversation, "/tool repos {\"text\": \"rotated\"}")
+        .await;
+    assert_eq!(
+        server.wait_until_ended(&token, &run).await["status"],
+        "COMPLETED"
+    );
+    assert_eq!(auth.token_requests("refresh_token").await, refreshes + 2);
+    let calls = tool_calls(&server, &token, &run).await;
+    assert_eq!(calls[0]["outcome"], "SUCCEEDED", "{}", calls[0]);
 
     // Expired with no refresh token.
     db.execute_unprepared("UPDATE connections SET expires_at = 1, refresh_token = NULL")

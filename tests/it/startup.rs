@@ -115,12 +115,12 @@ async fn refused_with_env(config: &str, env: &[(&str, &str)]) -> String {
 const AGENT: &str = "[[agents]]\nname = \"a\"\nprovider = \"scripted\"\n";
 
 #[tokio::test]
-async fn a_tool_with_a_connection_is_refused_at_start_up() {
+async fn a_tool_naming_an_unconfigured_provider_is_refused_at_start_up() {
     let stderr = refused_with(&format!(
         "{AGENT}[[tools]]\nname = \"repos\"\ndescription = \"d\"\ninput_schema = {{ type = \"object\" }}\nhttp = {{ url = \"http://127.0.0.1:9/\" }}\nconnection = {{ provider = \"github\" }}\n"
     ))
     .await;
-    assert!(stderr.contains("tools[0].connection"), "{stderr}");
+    assert!(stderr.contains("tools[0].connection.provider"), "{stderr}");
 }
 
 #[tokio::test]
