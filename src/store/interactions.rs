@@ -264,21 +264,17 @@ pub async fn ask_approval(
     request: &ApprovalRequest,
     ttl_ms: i64,
 ) -> Result<()> {
-    let (mut tx, conversation, row) = open(store, lease).await?;
-    let (_, mut events) = change_in(&tx, &row, call.id, ToolInput::Await, |_, _| {}).await?;
-    let (_, opened) = open_interaction(
-        &tx,
-        &row,
+    let request = to_json(request)?;
+    wait_for_person(
+        store,
+        lease,
         call,
         InteractionKind::Approval,
-        to_json(request)?,
+        request,
         ttl_ms,
+        None,
     )
-    .await?;
-    events.extend(opened);
-    tx.append(&conversation, events).await?;
-    store.commit(tx).await?;
-    Ok(())
+    .await
 }
 
 /// A call that needs a connection the principal lacks: it waits
@@ -292,29 +288,40 @@ pub async fn ask_connection(
     consent: NewConsent,
     ttl_ms: i64,
 ) -> Result<()> {
+    let kind = InteractionKind::Connection;
+    let (provider, request) = (request.provider.clone(), to_json(request)?);
+    let consent = Some((provider, consent));
+    wait_for_person(store, lease, call, kind, request, ttl_ms, consent).await
+}
+
+/// The call waits (`AWAITING`) for a person, with its interaction (and the
+/// consent it offers, for a connection) in one transaction.
+async fn wait_for_person(
+    store: &Store,
+    lease: &Lease,
+    call: &tool_call::Model,
+    kind: InteractionKind,
+    request: Value,
+    ttl_ms: i64,
+    consent: Option<(String, NewConsent)>,
+) -> Result<()> {
     let (mut tx, conversation, row) = open(store, lease).await?;
     let (_, mut events) = change_in(&tx, &row, call.id, ToolInput::Await, |_, _| {}).await?;
-    let (id, opened) = open_interaction(
-        &tx,
-        &row,
-        call,
-        InteractionKind::Connection,
-        to_json(request)?,
-        ttl_ms,
-    )
-    .await?;
-    consent::ActiveModel {
-        state: Set(consent.state),
-        interaction_id: Set(id),
-        tenant: Set(row.tenant.clone()),
-        principal: Set(consent.principal),
-        provider: Set(request.provider.clone()),
-        verifier: Set(consent.verifier),
-        key_id: Set(consent.key_id),
-        created_at: Set(now_millis()),
+    let (id, opened) = open_interaction(&tx, &row, call, kind, request, ttl_ms).await?;
+    if let Some((provider, consent)) = consent {
+        consent::ActiveModel {
+            state: Set(consent.state),
+            interaction_id: Set(id),
+            tenant: Set(row.tenant.clone()),
+            principal: Set(consent.principal),
+            provider: Set(provider),
+            verifier: Set(consent.verifier),
+            key_id: Set(consent.key_id),
+            created_at: Set(now_millis()),
+        }
+        .insert(&*tx)
+        .await?;
     }
-    .insert(&*tx)
-    .await?;
     events.extend(opened);
     tx.append(&conversation, events).await?;
     store.commit(tx).await?;
@@ -390,26 +397,16 @@ pub async fn complete(
     let Some(found) = reads::interaction(store.db(), &actor.tenant, interaction_id).await? else {
         return Err(Error::NotFound);
     };
-    let mut tx = store.begin_write().await?;
-    let conversation = tx
-        .lock_conversation(found.conversation_id, &actor.tenant)
-        .await?;
-    let row = interaction::Entity::find_by_id(interaction_id)
-        .one(&*tx)
-        .await?
-        .ok_or(Error::NotFound)?;
-    let run_row = run::Entity::find_by_id(row.run_id)
-        .one(&*tx)
-        .await?
-        .ok_or(Error::NotFound)?;
+    let Some(Locked {
+        mut tx,
+        conversation,
+        row,
+        run_row,
+    }) = lock_for_resolution(store, actor, &found).await?
+    else {
+        return Err(Error::NotFound);
+    };
     match status_of(&row)? {
-        InteractionStatus::Pending if row.expires_at <= now_millis() => {
-            if let Some(events) = expire_in(&tx, &row).await? {
-                tx.append(&conversation, events).await?;
-                store.commit(tx).await?;
-            }
-            return Err(Error::NotFound);
-        }
         InteractionStatus::Pending => {}
         InteractionStatus::Resolved => return Ok((run_row, false)),
         InteractionStatus::Expired | InteractionStatus::Cancelled => return Err(Error::NotFound),
@@ -788,28 +785,16 @@ pub async fn resolve(
             (to_json(decision)?, Some(*decision))
         }
     };
-    let mut tx = store.begin_write().await?;
-    let conversation = tx
-        .lock_conversation(found.conversation_id, &actor.tenant)
-        .await?;
-    let row = interaction::Entity::find_by_id(interaction_id)
-        .one(&*tx)
-        .await?
-        .ok_or(Error::NotFound)?;
-    let run_row = run::Entity::find_by_id(row.run_id)
-        .one(&*tx)
-        .await?
-        .ok_or(Error::NotFound)?;
+    let Some(Locked {
+        mut tx,
+        conversation,
+        row,
+        run_row,
+    }) = lock_for_resolution(store, actor, &found).await?
+    else {
+        return Err(Error::Conflict("this interaction has expired".into()));
+    };
     match status_of(&row)? {
-        InteractionStatus::Pending if row.expires_at <= now_millis() => {
-            // Past its time, even if no sweeper has seen it yet: it expires
-            // now, and the resolution is refused.
-            if let Some(events) = expire_in(&tx, &row).await? {
-                tx.append(&conversation, events).await?;
-                store.commit(tx).await?;
-            }
-            return Err(Error::Conflict("this interaction has expired".into()));
-        }
         InteractionStatus::Pending => {}
         InteractionStatus::Resolved if row.resolution.as_ref() == Some(&recorded) => {
             return Ok((run_row, false));
@@ -871,6 +856,49 @@ pub async fn resolve(
     tx.append(&conversation, events).await?;
     store.commit(tx).await?;
     Ok((run_row, true))
+}
+
+/// The transaction that resolves an interaction: its conversation locked,
+/// the interaction and its run read again under the lock.
+struct Locked {
+    tx: WriteTx,
+    conversation: super::entities::conversation::Model,
+    row: interaction::Model,
+    run_row: run::Model,
+}
+
+/// `None` when the interaction was pending past its time: it expired there
+/// and then (even if no sweeper had seen it yet), and nothing resolves it.
+async fn lock_for_resolution(
+    store: &Store,
+    actor: &Actor,
+    found: &interaction::Model,
+) -> Result<Option<Locked>> {
+    let mut tx = store.begin_write().await?;
+    let conversation = tx
+        .lock_conversation(found.conversation_id, &actor.tenant)
+        .await?;
+    let row = interaction::Entity::find_by_id(found.id)
+        .one(&*tx)
+        .await?
+        .ok_or(Error::NotFound)?;
+    let run_row = run::Entity::find_by_id(row.run_id)
+        .one(&*tx)
+        .await?
+        .ok_or(Error::NotFound)?;
+    if status_of(&row)? == InteractionStatus::Pending && row.expires_at <= now_millis() {
+        if let Some(events) = expire_in(&tx, &row).await? {
+            tx.append(&conversation, events).await?;
+            store.commit(tx).await?;
+        }
+        return Ok(None);
+    }
+    Ok(Some(Locked {
+        tx,
+        conversation,
+        row,
+        run_row,
+    }))
 }
 
 /// A run parked for an interaction of `kind` goes back to the queue (a

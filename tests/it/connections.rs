@@ -86,6 +86,14 @@ async fn paused(server: &Server, token: &str, conversation: &str, text: &str) ->
     (run, pending)
 }
 
+/// The person consents at the authorization server and the front end
+/// completes the connection: the run resumes.
+async fn consent_to(server: &Server, auth: &AuthServer, token: &str, pending: &Value) {
+    let (code, state) = auth.consent(pending["loginUrl"].as_str().unwrap()).await;
+    let body = complete(server, token, &state, Some(&code), None).await;
+    assert!(resumed(&body), "{body}");
+}
+
 /// `completeConnection`, returning the whole response body.
 async fn complete(
     server: &Server,
@@ -261,10 +269,7 @@ async fn each_gap_pauses_with_its_name_and_an_expired_token_is_refreshed_once() 
         "/tool repos {\"text\": \"a\"}",
     )
     .await;
-    let (code, state) = auth.consent(pending["loginUrl"].as_str().unwrap()).await;
-    assert!(resumed(
-        &complete(&server, &token, &state, Some(&code), None).await
-    ));
+    consent_to(&server, &auth, &token, &pending).await;
     server.wait_until_ended(&token, &run).await;
 
     // Missing a scope.
@@ -277,10 +282,7 @@ async fn each_gap_pauses_with_its_name_and_an_expired_token_is_refreshed_once() 
     .await;
     assert_eq!(pending["gap"], "INSUFFICIENT_SCOPE");
     assert_eq!(pending["requiredScopes"], json!(["repo", "admin"]));
-    let (code, state) = auth.consent(pending["loginUrl"].as_str().unwrap()).await;
-    assert!(resumed(
-        &complete(&server, &token, &state, Some(&code), None).await
-    ));
+    consent_to(&server, &auth, &token, &pending).await;
     assert_eq!(
         server.wait_until_ended(&token, &run).await["status"],
         "COMPLETED"
@@ -539,10 +541,7 @@ async fn a_pending_consent_survives_a_restart_and_a_disconnect_asks_again() {
     server.restart(&[]).await;
     let kept = server.gql(&token, PENDING, json!({ "r": run })).await;
     assert_eq!(kept["pendingConnection"], pending);
-    let (code, state) = auth.consent(pending["loginUrl"].as_str().unwrap()).await;
-    assert!(resumed(
-        &complete(&server, &token, &state, Some(&code), None).await
-    ));
+    consent_to(&server, &auth, &token, &pending).await;
     assert_eq!(
         server.wait_until_ended(&token, &run).await["status"],
         "COMPLETED"
@@ -585,10 +584,7 @@ async fn a_sealed_token_copied_into_another_tenants_row_does_not_open() {
         "/tool repos {\"text\": \"a\"}",
     )
     .await;
-    let (code, state) = auth.consent(pending["loginUrl"].as_str().unwrap()).await;
-    assert!(resumed(
-        &complete(&server, &ada, &state, Some(&code), None).await
-    ));
+    consent_to(&server, &auth, &ada, &pending).await;
     server.wait_until_ended(&ada, &run).await;
 
     // Another tenant connects too, and then ada's sealed tokens are
@@ -596,10 +592,7 @@ async fn a_sealed_token_copied_into_another_tenants_row_does_not_open() {
     let eve = server.token("other", "ada");
     let theirs = server.create_conversation(&eve).await;
     let (run, pending) = paused(&server, &eve, &theirs, "/tool repos {\"text\": \"b\"}").await;
-    let (code, state) = auth.consent(pending["loginUrl"].as_str().unwrap()).await;
-    assert!(resumed(
-        &complete(&server, &eve, &state, Some(&code), None).await
-    ));
+    consent_to(&server, &auth, &eve, &pending).await;
     server.wait_until_ended(&eve, &run).await;
     assert_eq!(downstream.requests_to("/effect").len(), 2);
     let db = Database::connect(server.database_url()).await.unwrap();
