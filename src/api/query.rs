@@ -11,7 +11,7 @@ use super::types::{
 use crate::domain::cursor::Cursor;
 use crate::domain::interaction::{InteractionKind, InteractionStatus};
 use crate::domain::time::now_millis;
-use crate::store::{connections, reads};
+use crate::store::{connections, interactions, reads};
 
 pub struct Query;
 
@@ -152,14 +152,21 @@ impl Query {
         approvals(ctx, &run_id).await
     }
 
-    /// The run's pending consent; null once it is resolved.
+    /// The run's pending consent; null once it is resolved, and for anyone
+    /// but the principal whose consent it is.
     async fn pending_connection(
         &self,
         ctx: &Context<'_>,
         run_id: ID,
     ) -> ApiResult<Option<PendingConnection>> {
+        let principal = &viewer(ctx)?.principal;
         let pending = pending(ctx, &run_id, InteractionKind::Connection).await?;
-        Ok(pending.into_iter().next().map(PendingConnection))
+        for interaction in pending {
+            if &interactions::connection_of(&interaction.0)?.principal == principal {
+                return Ok(Some(PendingConnection(interaction)));
+            }
+        }
+        Ok(None)
     }
 
     /// The caller's own connections (its tenant and principal); never a

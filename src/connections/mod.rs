@@ -21,7 +21,7 @@ use crate::domain::interaction::{ConnectionGap, InteractionStatus};
 use crate::domain::time::now_millis;
 use crate::store::commands::Actor;
 use crate::store::connections::{self as stored, Owner, Sealed};
-use crate::store::entities::{connection, run};
+use crate::store::entities::{connection, interaction, run};
 use crate::store::interactions::{self, Completion, ConnectionRequest, NewConsent};
 use crate::store::{self, Error, Store, reads};
 use crypto::Cipher;
@@ -274,6 +274,7 @@ impl Connections {
                 gap,
                 required_scopes: need.scopes.clone(),
                 login_url: begun.login_url,
+                principal: principal.to_owned(),
             },
             consent: NewConsent {
                 state: begun.state,
@@ -354,12 +355,7 @@ impl Connections {
                 return Err(Error::NotFound);
             }
             InteractionStatus::Pending => {}
-            InteractionStatus::Resolved => {
-                let run = reads::run(store.db(), &actor.tenant, row.run_id)
-                    .await?
-                    .ok_or(Error::NotFound)?;
-                return Ok((run, false));
-            }
+            InteractionStatus::Resolved => return Ok((run_of(store, actor, &row).await?, false)),
             InteractionStatus::Expired | InteractionStatus::Cancelled => {
                 return Err(Error::NotFound);
             }
@@ -391,6 +387,13 @@ impl Connections {
             // Only `invalid_grant` is about the code; other refusals are
             // about the configuration (the client, the grant type).
             Err(OAuthError::Refused { error, .. }) if error == "invalid_grant" => {
+                // Another instance may have spent the code on this very
+                // consent a moment ago: then this is a replay.
+                if let Some((_, now)) = interactions::consent_of(store, actor, state).await?
+                    && interactions::status_of(&now)? == InteractionStatus::Resolved
+                {
+                    return Ok((run_of(store, actor, &now).await?, false));
+                }
                 return Err(Error::Invalid {
                     key: Some("code".into()),
                     message: format!(
@@ -425,6 +428,17 @@ impl Connections {
         let sealed = self.seal(cipher, owner, tokens, scopes, None);
         interactions::complete(store, actor, row.id, Completion::Granted(sealed)).await
     }
+}
+
+/// The run a consent of `actor` belongs to.
+async fn run_of(
+    store: &Store,
+    actor: &Actor,
+    row: &interaction::Model,
+) -> store::Result<run::Model> {
+    reads::run(store.db(), &actor.tenant, row.run_id)
+        .await?
+        .ok_or(Error::NotFound)
 }
 
 /// Keyed single flight: who enters a key waits for whoever holds it.

@@ -49,6 +49,10 @@ pub struct ConnectionRequest {
     pub gap: ConnectionGap,
     pub required_scopes: Vec<String>,
     pub login_url: String,
+    /// Whose consent it is: the login URL carries the state, so it is shown
+    /// to this principal only (anyone else could bind their own account to
+    /// it by sending the person a crafted callback).
+    pub principal: String,
 }
 
 /// The server's half of a consent offer: the `state` the browser brings

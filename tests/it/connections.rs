@@ -427,9 +427,14 @@ async fn a_replayed_completion_resumes_once_and_strangers_get_one_not_found() {
         pending["interactionId"]
     );
 
-    // Strangers, a random state: the same NOT_FOUND, word for word.
+    // Strangers, a random state: the same NOT_FOUND, word for word. The
+    // login URL (it carries the state) is shown to ada alone.
     let bob = server.token("acme", "bob");
     let eve = server.token("other", "ada");
+    for stranger in [&bob, &eve] {
+        let shown = server.gql(stranger, PENDING, json!({ "r": run })).await;
+        assert!(shown["pendingConnection"].is_null(), "{shown}");
+    }
     let mut refusals = Vec::new();
     for (caller, state) in [
         (&bob, state.as_str()),
