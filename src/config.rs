@@ -210,6 +210,10 @@ pub struct ApiConfig {
     /// Connections served at once (WebSockets included); more wait to be
     /// accepted.
     pub max_connections: usize,
+    /// Origins whose pages may call the API from a browser, each as the
+    /// browser sends it (`scheme://host[:port]`). Empty: no CORS headers,
+    /// so only same-origin pages and non-browser clients can call it.
+    pub cors_origins: Vec<String>,
 }
 
 impl ApiConfig {
@@ -238,6 +242,7 @@ impl Default for ApiConfig {
             header_read_timeout_secs: 10,
             keepalive_idle_secs: 60,
             max_connections: 16_384,
+            cors_origins: Vec::new(),
         }
     }
 }
@@ -658,6 +663,30 @@ impl fmt::Debug for ConnectionConfig {
     }
 }
 
+/// The agent of the built-in configuration, also used when a file
+/// configures none: `demo` on the scripted model, with the built-in tools.
+fn demo_agent() -> AgentConfig {
+    AgentConfig {
+        name: "demo".to_owned(),
+        provider: ProviderKind::Scripted,
+        model: None,
+        base_url: None,
+        api_key_env: None,
+        api_key: None,
+        system: None,
+        tools: BUILTIN_TOOLS.iter().map(|t| (*t).to_owned()).collect(),
+        max_tokens: default_max_tokens(),
+        price: None,
+        thinking_budget_tokens: None,
+        stream_delay_ms: default_stream_delay_ms(),
+        idle_timeout_secs: default_idle_timeout_secs(),
+        limits: Limits::default(),
+        retry: RetryConfig::default(),
+        context: ContextConfig::default(),
+        stop: StopConfig::default(),
+    }
+}
+
 impl FileConfig {
     /// The configuration used when no file is given: one agent `demo` on the
     /// built-in scripted model.
@@ -668,25 +697,7 @@ impl FileConfig {
             policy: PolicyConfig::default(),
             api: ApiConfig::default(),
             auth: AuthConfig::default(),
-            agents: vec![AgentConfig {
-                name: "demo".to_owned(),
-                provider: ProviderKind::Scripted,
-                model: None,
-                base_url: None,
-                api_key_env: None,
-                api_key: None,
-                system: None,
-                tools: BUILTIN_TOOLS.iter().map(|t| (*t).to_owned()).collect(),
-                max_tokens: default_max_tokens(),
-                price: None,
-                thinking_budget_tokens: None,
-                stream_delay_ms: default_stream_delay_ms(),
-                idle_timeout_secs: default_idle_timeout_secs(),
-                limits: Limits::default(),
-                retry: RetryConfig::default(),
-                context: ContextConfig::default(),
-                stop: StopConfig::default(),
-            }],
+            agents: vec![demo_agent()],
             tools: Vec::new(),
             connections: Vec::new(),
         }
@@ -781,6 +792,9 @@ impl FileConfig {
             86_400,
         )?;
         between("api.max_connections", api.max_connections, 1, 1_000_000)?;
+        for (i, origin) in api.cors_origins.iter().enumerate() {
+            cors_origin(&format!("api.cors_origins[{i}]"), origin)?;
+        }
 
         let mut tool_names: HashSet<String> =
             BUILTIN_TOOLS.iter().map(|t| (*t).to_owned()).collect();
@@ -904,11 +918,10 @@ impl FileConfig {
             }
         }
 
+        // A file that configures no agent keeps the one a missing file
+        // gives, so that a file holding only, say, `[api]` keys still starts.
         if self.agents.is_empty() {
-            return Err(invalid(
-                "agents",
-                "at least one [[agents]] entry is required",
-            ));
+            self.agents.push(demo_agent());
         }
         let mut agent_names = HashSet::new();
         for (i, agent) in self.agents.iter_mut().enumerate() {
@@ -1044,6 +1057,40 @@ impl FileConfig {
         self.auth.validate(env)?;
         Ok(())
     }
+}
+
+/// An origin as a browser sends it in `Origin`: `scheme://host[:port]`,
+/// http or https, lower case, no path and no default port.
+fn cors_origin(key: &str, origin: &str) -> Result<(), ConfigError> {
+    if origin == "*" {
+        return Err(invalid(
+            key,
+            "\"*\" is not accepted: list each origin that may call the API",
+        ));
+    }
+    let url = reqwest::Url::parse(origin).ok().filter(|u| {
+        ["http", "https"].contains(&u.scheme())
+            && u.has_host()
+            && u.username().is_empty()
+            && u.password().is_none()
+    });
+    let Some(url) = url else {
+        return Err(invalid(
+            key,
+            format!("{origin:?} is not an http:// or https:// origin (scheme://host[:port])"),
+        ));
+    };
+    let canonical = url.origin().ascii_serialization();
+    if canonical != origin {
+        return Err(invalid(
+            key,
+            format!(
+                "{origin:?} is not an origin as a browser sends it \
+                 (scheme://host[:port], no path, no default port); write {canonical:?}"
+            ),
+        ));
+    }
+    Ok(())
 }
 
 fn at_most<T: PartialOrd + std::fmt::Display>(
@@ -1362,6 +1409,63 @@ mod tests {
         let agent = file.agent("demo").unwrap();
         assert_eq!(agent.provider, ProviderKind::Scripted);
         assert_eq!(agent.tools, BUILTIN_TOOLS);
+    }
+
+    #[test]
+    fn a_file_without_agents_keeps_the_demo_agent() {
+        let config = load_with("[api]\nmax_query_depth = 12\n", &[]).unwrap();
+        assert_eq!(config.file.api.max_query_depth, 12);
+        assert_eq!(config.file.default_agent_name(), "demo");
+        let agent = config.file.agent("demo").unwrap();
+        assert_eq!(agent.provider, ProviderKind::Scripted);
+        assert_eq!(agent.tools, BUILTIN_TOOLS);
+        assert_eq!(config.file.agents.len(), 1);
+        // An empty file too, and `default_agent` may name it.
+        let config = load_with("", &[]).unwrap();
+        assert_eq!(config.file.default_agent_name(), "demo");
+        let config = load_with("default_agent = \"demo\"\n", &[]).unwrap();
+        assert_eq!(config.file.default_agent_name(), "demo");
+        // Naming another agent is still refused.
+        let err = message(load_with("default_agent = \"claude\"\n", &[]));
+        assert!(err.contains("default_agent"), "{err}");
+        // Agents in the file replace the demo agent rather than join it.
+        let config = load_with(AGENT, &[]).unwrap();
+        assert!(config.file.agent("demo").is_none());
+        assert_eq!(config.file.default_agent_name(), "a");
+    }
+
+    #[test]
+    fn cors_origins_are_none_by_default_and_must_be_origins() {
+        let config = load_with("", &[]).unwrap();
+        assert!(config.file.api.cors_origins.is_empty());
+        let config = load_with(
+            "[api]\ncors_origins = [\"http://localhost:5173\", \"https://app.example.com\", \"http://[::1]:8080\"]\n",
+            &[],
+        )
+        .unwrap();
+        assert_eq!(config.file.api.cors_origins.len(), 3);
+        for (bad, hint) in [
+            ("*", "list each origin"),
+            ("http://localhost:5173/", "\"http://localhost:5173\""),
+            ("http://localhost:5173/app", "\"http://localhost:5173\""),
+            ("http://LOCALHOST:5173", "\"http://localhost:5173\""),
+            ("https://app.example.com:443", "\"https://app.example.com\""),
+            ("localhost:5173", "not an http:// or https:// origin"),
+            (
+                "ftp://files.example.com",
+                "not an http:// or https:// origin",
+            ),
+            ("http://user@localhost", "not an http:// or https:// origin"),
+            ("null", "not an http:// or https:// origin"),
+            ("", "not an http:// or https:// origin"),
+        ] {
+            let err = message(load_with(
+                &format!("[api]\ncors_origins = [\"http://ok.example\", {bad:?}]\n"),
+                &[],
+            ));
+            assert!(err.contains("api.cors_origins[1]"), "{bad}: {err}");
+            assert!(err.contains(hint), "{bad}: {err}");
+        }
     }
 
     #[test]

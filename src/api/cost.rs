@@ -19,6 +19,13 @@ use super::error::bad_request;
 pub const PARTS_PER_MESSAGE: i32 = 4;
 pub const TOOL_CALLS_PER_RUN: i32 = 4;
 
+/// The page sizes of the paged list fields when the argument is absent or
+/// `null`: the complexity count and the resolver both use them.
+pub const CONVERSATIONS_PAGE: i32 = 20;
+pub const EVENTS_PAGE: i32 = 500;
+pub const MESSAGES_PAGE: i32 = 100;
+pub const RUNS_PAGE: i32 = 100;
+
 /// `ToolCall.fullOutput` may carry a mebibyte where another field carries a
 /// few bytes: it counts one unit per 16 KiB of the default cap, so that a
 /// query cannot gather thousands of them under the complexity limit.

@@ -18,7 +18,9 @@ use std::sync::Arc;
 
 use async_graphql::{SDLExportOptions, Schema};
 use axum::Router;
+use axum::http::{HeaderValue, Method, header};
 use axum::routing::get;
+use tower_http::cors::{AllowOrigin, CorsLayer};
 
 use crate::config::ApiConfig;
 use auth::Authenticator;
@@ -80,16 +82,45 @@ pub fn health_router(services: Services) -> Router {
 }
 
 pub fn router(services: Services, auth: Authenticator) -> Router {
+    let cors = cors(&services.config.api);
     let state = AppState {
         schema: schema(services.clone()),
         limits: Arc::new(services.config.api.clone()),
         services,
         auth: Arc::new(auth),
     };
-    Router::new()
+    let router = Router::new()
         .route("/graphql", get(http::graphql_get).post(http::graphql_post))
         .route("/graphiql", get(http::graphiql))
         .route("/healthz", get(http::healthz))
         .route("/readyz", get(http::readyz))
-        .with_state(state)
+        .with_state(state);
+    // Outermost, so that every answer carries the headers, the 401s and
+    // 413s the handlers give themselves included: a page cannot read an
+    // answer without them.
+    match cors {
+        Some(cors) => router.layer(cors),
+        None => router,
+    }
+}
+
+/// CORS for the configured origins; `None` when there are none, so that
+/// no answer carries CORS headers and a preflight is refused (405).
+/// Tokens travel in `Authorization`, never in cookies: no credentials mode.
+fn cors(api: &ApiConfig) -> Option<CorsLayer> {
+    if api.cors_origins.is_empty() {
+        return None;
+    }
+    // Validated at start-up: each is an ASCII origin.
+    let origins: Vec<HeaderValue> = api
+        .cors_origins
+        .iter()
+        .filter_map(|origin| HeaderValue::from_str(origin).ok())
+        .collect();
+    Some(
+        CorsLayer::new()
+            .allow_origin(AllowOrigin::list(origins))
+            .allow_methods([Method::GET, Method::POST, Method::OPTIONS])
+            .allow_headers([header::AUTHORIZATION, header::CONTENT_TYPE]),
+    )
 }

@@ -28,8 +28,9 @@ pub struct SendMessageInput {
     /// A retried mutation with the same id returns the original message and
     /// run.
     client_message_id: Option<String>,
-    #[graphql(default_with = "ActiveRunStrategy::Queue")]
-    on_active_run: ActiveRunStrategy,
+    /// `null` means the default, `QUEUE`.
+    #[graphql(default_with = "Some(ActiveRunStrategy::Queue)")]
+    on_active_run: Option<ActiveRunStrategy>,
 }
 
 #[derive(SimpleObject)]
@@ -129,7 +130,7 @@ impl Mutation {
                 conversation_id,
                 text: input.text,
                 client_message_id: input.client_message_id,
-                on_active_run: input.on_active_run,
+                on_active_run: input.on_active_run.unwrap_or(ActiveRunStrategy::Queue),
                 max_attempts,
             },
         )

@@ -67,13 +67,17 @@ impl Query {
     }
 
     /// Newest first.
-    #[graphql(complexity = "cost::list(first, child_complexity)")]
+    #[graphql(
+        complexity = "cost::list(first.unwrap_or(cost::CONVERSATIONS_PAGE), child_complexity)"
+    )]
     async fn conversations(
         &self,
         ctx: &Context<'_>,
-        #[graphql(default = 20)] first: i32,
+        #[graphql(default_with = "Some(cost::CONVERSATIONS_PAGE)")] first: Option<i32>,
         after: Option<String>,
     ) -> ApiResult<ConversationConnection> {
+        // `null` means the default, as an absent argument does.
+        let first = first.unwrap_or(cost::CONVERSATIONS_PAGE);
         if !(0..=100).contains(&first) {
             return Err(ApiError::bad_key(
                 "first",
@@ -180,14 +184,15 @@ impl Query {
 
     /// Persisted events of a conversation after `after` (from the first
     /// event without it), oldest first.
-    #[graphql(complexity = "cost::list(first, child_complexity)")]
+    #[graphql(complexity = "cost::list(first.unwrap_or(cost::EVENTS_PAGE), child_complexity)")]
     async fn events(
         &self,
         ctx: &Context<'_>,
         conversation_id: ID,
         after: Option<String>,
-        #[graphql(default = 500)] first: i32,
+        #[graphql(default_with = "Some(cost::EVENTS_PAGE)")] first: Option<i32>,
     ) -> ApiResult<EventPage> {
+        let first = first.unwrap_or(cost::EVENTS_PAGE);
         if !(0..=1000).contains(&first) {
             return Err(ApiError::bad_key(
                 "first",

@@ -73,13 +73,15 @@ impl Conversation {
     }
 
     /// The last `last` messages (before `before`, when given), oldest first.
-    #[graphql(complexity = "cost::list(last, child_complexity)")]
+    #[graphql(complexity = "cost::list(last.unwrap_or(cost::MESSAGES_PAGE), child_complexity)")]
     async fn messages(
         &self,
         ctx: &Context<'_>,
-        #[graphql(default = 100)] last: i32,
+        #[graphql(default_with = "Some(cost::MESSAGES_PAGE)")] last: Option<i32>,
         before: Option<ID>,
     ) -> ApiResult<Vec<Message>> {
+        // `null` means the default, as an absent argument does.
+        let last = last.unwrap_or(cost::MESSAGES_PAGE);
         if !(0..=500).contains(&last) {
             return Err(ApiError::bad_key("last", "last must be between 0 and 500"));
         }
@@ -102,12 +104,13 @@ impl Conversation {
     }
 
     /// The last `last` runs of the conversation, oldest first.
-    #[graphql(complexity = "cost::list(last, child_complexity)")]
+    #[graphql(complexity = "cost::list(last.unwrap_or(cost::RUNS_PAGE), child_complexity)")]
     async fn runs(
         &self,
         ctx: &Context<'_>,
-        #[graphql(default = 100)] last: i32,
+        #[graphql(default_with = "Some(cost::RUNS_PAGE)")] last: Option<i32>,
     ) -> ApiResult<Vec<Run>> {
+        let last = last.unwrap_or(cost::RUNS_PAGE);
         if !(0..=500).contains(&last) {
             return Err(ApiError::bad_key("last", "last must be between 0 and 500"));
         }

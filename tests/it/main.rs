@@ -3,9 +3,11 @@
 
 mod support;
 
+mod arguments;
 mod auth;
 mod connections;
 mod conversations;
+mod cors;
 mod crash;
 mod downstream;
 mod fakes;

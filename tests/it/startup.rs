@@ -67,6 +67,34 @@ async fn the_sample_configuration_serves_the_probes_and_graphiql() {
     assert!(data["__schema"]["types"].as_array().unwrap().len() > 20);
 }
 
+#[tokio::test]
+async fn a_file_without_agents_serves_the_demo_agent() {
+    let server = Server::start_with(ServerOptions {
+        config: "[api]\nmax_query_depth = 12\n".to_owned(),
+        role: "all",
+        ..Default::default()
+    })
+    .await;
+    let token = server.token("acme", "ada");
+    let data = server
+        .gql(&token, "{ agents { name } }", serde_json::json!({}))
+        .await;
+    assert_eq!(data["agents"], serde_json::json!([{ "name": "demo" }]));
+    // New conversations get it, and it answers.
+    let data = server
+        .gql(
+            &token,
+            "mutation { createConversation(input: {}) { id agent } }",
+            serde_json::json!({}),
+        )
+        .await;
+    assert_eq!(data["createConversation"]["agent"], "demo");
+    let conversation = data["createConversation"]["id"].as_str().unwrap();
+    let (_, run) = server.send(&token, conversation, "hello").await;
+    let run = server.wait_until_ended(&token, &run).await;
+    assert_eq!(run["status"], "COMPLETED", "{run}");
+}
+
 const INTROSPECTION: &str = r#"
 query IntrospectionQuery {
   __schema {
