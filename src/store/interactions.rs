@@ -455,12 +455,7 @@ pub async fn abandon_waiting(
     output: Value,
 ) -> Result<()> {
     let (mut tx, conversation, row) = open(store, lease).await?;
-    close_pending(
-        &tx,
-        interaction::Column::ToolCallId.eq(call_id),
-        InteractionStatus::Cancelled,
-    )
-    .await?;
+    let mut events = cancel_where(&tx, interaction::Column::ToolCallId.eq(call_id)).await?;
     // Taken with the call's result, whatever a person decided meanwhile:
     // an untaken resolution would keep a later park of the run waiting for
     // a take that never comes.
@@ -473,10 +468,11 @@ pub async fn abandon_waiting(
         .filter(interaction::Column::ClaimedAt.is_null())
         .exec(&*tx)
         .await?;
-    let (_, events) = change_in(&tx, &row, call_id, ToolInput::Cancel, |active, _| {
+    let (_, changed) = change_in(&tx, &row, call_id, ToolInput::Cancel, |active, _| {
         active.output = Set(Some(output));
     })
     .await?;
+    events.extend(changed);
     tx.append(&conversation, events).await?;
     store.commit(tx).await?;
     Ok(())
@@ -700,15 +696,43 @@ pub async fn park(
     Ok(true)
 }
 
-/// Closes the pending interactions of an ending run (`CANCELLED`).
-pub(crate) async fn cancel_pending(tx: &WriteTx, row: &run::Model) -> Result<()> {
+/// Closes the pending interactions of an ending run (`CANCELLED`), each
+/// announced with its kind's resolving event, so a client drops its card.
+pub(crate) async fn cancel_pending(tx: &WriteTx, row: &run::Model) -> Result<Vec<NewEvent>> {
+    cancel_where(tx, interaction::Column::RunId.eq(row.id)).await
+}
+
+/// Cancels the pending interactions `which` selects, with their events.
+/// The caller holds their conversation's lock, so none is resolved
+/// meanwhile.
+async fn cancel_where(
+    tx: &WriteTx,
+    which: sea_orm::sea_query::SimpleExpr,
+) -> Result<Vec<NewEvent>> {
+    let pending = interaction::Entity::find()
+        .filter(which)
+        .filter(interaction::Column::Status.eq(InteractionStatus::Pending.as_str()))
+        .all(&**tx)
+        .await?;
+    if pending.is_empty() {
+        return Ok(Vec::new());
+    }
     close_pending(
         tx,
-        interaction::Column::RunId.eq(row.id),
+        interaction::Column::Id.is_in(pending.iter().map(|row| row.id)),
         InteractionStatus::Cancelled,
     )
     .await?;
-    Ok(())
+    pending
+        .iter()
+        .map(|row| {
+            Ok(interaction_event(
+                resolving_event(kind_of(row)?),
+                row.run_id,
+                row.id,
+            ))
+        })
+        .collect()
 }
 
 /// Moves the pending interactions `which` selects to `to`; returns how many

@@ -551,7 +551,7 @@ pub(super) async fn end_closed(
     mut events: Vec<NewEvent>,
 ) -> Result<Vec<NewEvent>> {
     events.extend(super::tool_calls::close_unfinished(tx, &row).await?);
-    super::interactions::cancel_pending(tx, &row).await?;
+    events.extend(super::interactions::cancel_pending(tx, &row).await?);
     let from: RunStatus = parse_stored(&row.status, "run status")?;
     let to = transition(from, RunInput::End(cause)).map_err(|e| Error::Conflict(e.to_string()))?;
     let now = now_millis();

@@ -376,6 +376,13 @@ async fn each_decision_does_what_it_says_and_gated_tools_never_run_without_one()
     let cancelled = tool_calls(&server, &token, &next).await;
     assert_eq!(cancelled[0]["outcome"], "NOT_STARTED");
     assert!(pending_approvals(&server, &token, &next).await.is_empty());
+    // Its closing is announced, so a client drops the card.
+    let events = server.all_events(&token, &conversation).await;
+    let closed: Vec<_> = of_type(&events, "approval.decided")
+        .into_iter()
+        .filter(|e| e["runId"] == next.as_str())
+        .collect();
+    assert_eq!(closed.len(), 1, "{events:?}");
 
     // DENY: the model gets a denied result; nothing runs.
     let conversation = server.create_conversation(&token).await;
