@@ -1,0 +1,211 @@
+// The browser test: a real tether (scripted model, temporary SQLite), the
+// built client under `vite preview` (which forwards /graphql to tether), and
+// Debian's Chromium driven by playwright-core. Every wait is for a condition.
+//
+//   TETHER_BIN=/path/to/tether npm run e2e
+//
+// Env: TETHER_BIN (required), CHROMIUM (default /usr/bin/chromium),
+// E2E_HEADED=1 to watch.
+import { spawn, execFile } from "node:child_process";
+import { mkdtempSync, mkdirSync, writeFileSync, rmSync } from "node:fs";
+import { createServer } from "node:net";
+import { tmpdir } from "node:os";
+import { dirname, join, resolve } from "node:path";
+import { createInterface } from "node:readline";
+import { fileURLToPath } from "node:url";
+import { promisify } from "node:util";
+import { randomBytes } from "node:crypto";
+import { chromium } from "playwright-core";
+
+const here = dirname(fileURLToPath(import.meta.url));
+const root = resolve(here, "..");
+const artifacts = join(here, "artifacts");
+mkdirSync(artifacts, { recursive: true });
+
+const tetherBin = process.env.TETHER_BIN;
+if (!tetherBin) {
+  console.error("TETHER_BIN must name a built tether binary (e.g. $CARGO_TARGET_DIR/debug/tether)");
+  process.exit(2);
+}
+const chromiumPath = process.env.CHROMIUM ?? "/usr/bin/chromium";
+const TIMEOUT = 20_000;
+
+const work = mkdtempSync(join(tmpdir(), "tether-e2e-"));
+const children = [];
+const env = {
+  ...process.env,
+  TETHER_DATABASE_URL: `sqlite://${join(work, "tether.db")}?mode=rwc`,
+  TETHER_JWT_SECRET: randomBytes(32).toString("hex"),
+  TETHER_LISTEN: "127.0.0.1:0",
+  TETHER_CONFIG: join(work, "tether.toml"),
+  RUST_LOG: process.env.RUST_LOG ?? "warn",
+};
+
+writeFileSync(
+  env.TETHER_CONFIG,
+  `default_agent = "demo"
+
+[runtime]
+checkpoint_ms = 250
+poll_ms = 200
+
+[policy]
+allow_always = true
+
+[[agents]]
+name = "demo"
+provider = "scripted"
+tools = ["ask_questions", "demo_publish"]
+stream_delay_ms = 40
+
+[agents.retry]
+max_attempts = 3
+initial_delay_ms = 2500
+max_delay_ms = 4000
+`,
+);
+
+function cleanup() {
+  for (const child of children) if (child.exitCode === null) child.kill("SIGTERM");
+  rmSync(work, { recursive: true, force: true });
+}
+process.on("exit", cleanup);
+process.on("SIGINT", () => process.exit(130));
+
+/** Starts a process and resolves with the first stdout line matching `pattern`. */
+function startAndWait(command, args, options, pattern, what) {
+  return new Promise((resolveLine, reject) => {
+    const child = spawn(command, args, { ...options, stdio: ["ignore", "pipe", "pipe"] });
+    children.push(child);
+    let stderr = "";
+    child.stderr.on("data", (d) => {
+      stderr += d;
+      if (process.env.E2E_VERBOSE) process.stderr.write(d);
+    });
+    const timer = setTimeout(() => reject(new Error(`${what} did not start in time:\n${stderr}`)), 60_000);
+    child.on("exit", (code) => reject(new Error(`${what} exited with ${code}:\n${stderr}`)));
+    createInterface({ input: child.stdout }).on("line", (line) => {
+      if (process.env.E2E_VERBOSE) console.log(`[${what}] ${line}`);
+      const match = line.match(pattern);
+      if (match) {
+        clearTimeout(timer);
+        resolveLine(match);
+      }
+    });
+  });
+}
+
+function freePort() {
+  return new Promise((res, rej) => {
+    const server = createServer();
+    server.listen(0, "127.0.0.1", () => {
+      const { port } = server.address();
+      server.close(() => res(port));
+    });
+    server.on("error", rej);
+  });
+}
+
+// ---- the steps ---------------------------------------------------------------
+
+const results = [];
+async function step(name, fn) {
+  const started = Date.now();
+  try {
+    await fn();
+    results.push({ name, ok: true });
+    console.log(`ok - ${name} (${Date.now() - started} ms)`);
+  } catch (error) {
+    results.push({ name, ok: false });
+    console.log(`not ok - ${name}\n  ${String(error?.stack ?? error).split("\n").join("\n  ")}`);
+    throw error;
+  }
+}
+
+async function main() {
+  const [, tetherUrl] = await startAndWait(tetherBin, ["serve"], { env, cwd: work }, /tether listening on (http:\/\/\S+)/, "tether");
+  const { stdout: tokenOut } = await promisify(execFile)(tetherBin, ["token", "--tenant", "acme", "--sub", "ada"], { env, cwd: work });
+  const token = tokenOut.trim();
+
+  const port = await freePort();
+  const vite = join(root, "node_modules", ".bin", "vite");
+  await startAndWait(
+    vite,
+    ["preview", "--host", "127.0.0.1", "--port", String(port), "--strictPort"],
+    { cwd: root, env: { ...process.env, TETHER_PROXY_TARGET: tetherUrl } },
+    /Local:\s+(http:\/\/\S+)/,
+    "vite preview",
+  );
+  const base = `http://127.0.0.1:${port}`;
+
+  const browser = await chromium.launch({
+    executablePath: chromiumPath,
+    headless: !process.env.E2E_HEADED,
+    args: ["--no-sandbox", "--disable-dev-shm-usage"],
+  });
+  const context = await browser.newContext({ viewport: { width: 1200, height: 900 } });
+  context.setDefaultTimeout(TIMEOUT);
+  const page = await context.newPage();
+  page.on("pageerror", (e) => console.log(`  [page error] ${e.message}`));
+  const shot = (name, target = page) => target.screenshot({ path: join(artifacts, `${name}.png`) });
+  const byId = (id) => page.getByTestId(id);
+  const waitFor = (fn, arg) => page.waitForFunction(fn, arg, { timeout: TIMEOUT });
+
+  const send = async (text) => {
+    await byId("composer-input").fill(text);
+    await byId("composer-send").click();
+    await waitFor(() => document.querySelector('[data-testid="composer-input"]').value === "");
+  };
+  const lastAssistantText = () =>
+    page.evaluate(() => {
+      const all = [...document.querySelectorAll('[data-testid="message"][data-role="ASSISTANT"]')];
+      const last = all.at(-1);
+      return last ? [...last.querySelectorAll('[data-testid="part-text"]')].map((p) => p.textContent.replace("▍", "")).join("") : "";
+    });
+  const newConversation = async (title) => {
+    await byId("new-conversation-title").fill(title);
+    await byId("new-conversation").click();
+    await page.waitForURL(/\/c\//);
+    await byId("conversation").waitFor();
+    await page.locator('[data-testid="feed-status"][data-state="live"]').waitFor();
+  };
+
+  await step("sign in with a pasted token", async () => {
+    await page.goto(base);
+    await byId("token-input").fill(token);
+    await shot("signin");
+    await byId("sign-in").click();
+    await page.getByText("ada @ acme").waitFor();
+  });
+
+  await step("send a message and see the reply stream in", async () => {
+    await newConversation("Streaming");
+    await send("hello from the browser");
+    const part = page.locator('[data-testid="message"][data-role="ASSISTANT"] [data-testid="part-text"]').first();
+    await part.waitFor();
+    // It grows while streaming: seen partial, then complete.
+    await waitFor(() => {
+      const el = document.querySelector('[data-testid="message"][data-role="ASSISTANT"] [data-testid="part-text"]');
+      return el && el.dataset.state === "STREAMING" && el.textContent.length > 5;
+    });
+    const partial = await lastAssistantText();
+    await page.locator('[data-testid="message"][data-role="ASSISTANT"] [data-testid="part-text"][data-state="DONE"]').first().waitFor();
+    const full = await lastAssistantText();
+    if (!full.startsWith('You said: "hello from the browser"')) throw new Error(`unexpected reply: ${full}`);
+    if (!(partial.length < full.length && full.startsWith(partial))) throw new Error(`no streaming seen: ${partial} / ${full}`);
+    await shot("conversation-streamed");
+  });
+}
+
+main()
+  .then(() => {
+    const passed = results.filter((r) => r.ok).length;
+    console.log(`e2e: ${passed} passed, ${results.length - passed} failed`);
+    process.exit(0);
+  })
+  .catch((error) => {
+    if (!results.some((r) => !r.ok)) console.log(`error: ${error?.stack ?? error}`);
+    const passed = results.filter((r) => r.ok).length;
+    console.log(`e2e: ${passed} passed, ${results.length - passed + (results.some((r) => !r.ok) ? 0 : 1)} failed`);
+    process.exit(1);
+  });
