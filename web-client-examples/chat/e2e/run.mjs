@@ -109,6 +109,7 @@ function freePort() {
 // ---- the steps ---------------------------------------------------------------
 
 const results = [];
+let currentPage = null;
 async function step(name, fn) {
   const started = Date.now();
   try {
@@ -117,6 +118,7 @@ async function step(name, fn) {
     console.log(`ok - ${name} (${Date.now() - started} ms)`);
   } catch (error) {
     results.push({ name, ok: false });
+    await currentPage?.screenshot({ path: join(artifacts, `failed-${results.length}.png`), fullPage: true }).catch(() => {});
     console.log(`not ok - ${name}\n  ${String(error?.stack ?? error).split("\n").join("\n  ")}`);
     throw error;
   }
@@ -146,6 +148,7 @@ async function main() {
   const context = await browser.newContext({ viewport: { width: 1200, height: 900 } });
   context.setDefaultTimeout(TIMEOUT);
   const page = await context.newPage();
+  currentPage = page;
   page.on("pageerror", (e) => console.log(`  [page error] ${e.message}`));
   const shot = (name, target = page) => target.screenshot({ path: join(artifacts, `${name}.png`) });
   const byId = (id) => page.getByTestId(id);
@@ -195,6 +198,155 @@ async function main() {
     if (!(partial.length < full.length && full.startsWith(partial))) throw new Error(`no streaming seen: ${partial} / ${full}`);
     await shot("conversation-streamed");
   });
+
+  const assistantTexts = () =>
+    page.evaluate(() =>
+      [...document.querySelectorAll('[data-testid="message"][data-role="ASSISTANT"]')].map((m) =>
+        [...m.querySelectorAll('[data-testid="part-text"]')].map((p) => p.textContent.replace("▍", "")).join(""),
+      ),
+    );
+  const streamingText = () =>
+    page.evaluate(() => {
+      const el = [...document.querySelectorAll('[data-testid="part-text"]')].at(-1);
+      return el ? { text: el.textContent.replace("▍", ""), state: el.dataset.state } : null;
+    });
+  /** "holding 1… holding 2… …" with every number once, in order: no text lost or doubled. */
+  const checkHolding = (text) => {
+    const head = text.split("You said:")[0];
+    const numbers = [...head.matchAll(/holding (\d+)… /g)].map((m) => Number(m[1]));
+    if (head !== numbers.map((n) => `holding ${n}… `).join("")) throw new Error(`garbled stream: ${JSON.stringify(head)}`);
+    numbers.forEach((n, i) => {
+      if (n !== i + 1) throw new Error(`stream lost or doubled text at ${i}: ${JSON.stringify(head)}`);
+    });
+    return numbers.length;
+  };
+
+  await step("reload mid-stream: nothing lost, the stream continues", async () => {
+    await newConversation("Reload");
+    await send("/hold 3");
+    await waitFor(() => {
+      const el = [...document.querySelectorAll('[data-testid="part-text"]')].at(-1);
+      return el && el.dataset.state === "STREAMING" && el.textContent.includes("holding 5");
+    });
+    const before = (await streamingText()).text;
+    checkHolding(before);
+    await page.reload();
+    await page.locator('[data-testid="feed-status"][data-state="live"]').waitFor();
+    // Everything seen before the reload is there again, and more arrives live.
+    await waitFor((prefix) => {
+      const el = [...document.querySelectorAll('[data-testid="part-text"]')].at(-1);
+      const text = el ? el.textContent.replace("▍", "") : "";
+      return el && el.dataset.state === "STREAMING" && text.startsWith(prefix) && text.length > prefix.length + 16;
+    }, before);
+    await shot("conversation-after-reload");
+    await page.locator('[data-testid="message"][data-role="ASSISTANT"] [data-testid="part-text"][data-state="DONE"]').last().waitFor();
+    const after = (await streamingText()).text;
+    if (!after.startsWith(before)) throw new Error(`text lost across the reload:\n${before}\n${after}`);
+    const ticks = checkHolding(after);
+    if (ticks < 20) throw new Error(`expected about 30 holding ticks, saw ${ticks}`);
+    if (!after.includes('You said: "/hold 3"')) throw new Error(`reply missing: ${after}`);
+  });
+
+  await step("a message sent during a run is queued and runs next", async () => {
+    await newConversation("Queue");
+    await send("/hold 2");
+    await page.locator('[data-testid="run-status"][data-status="RUNNING"]').waitFor();
+    await send("the second message");
+    await byId("queued-badge").waitFor();
+    await shot("conversation-queued");
+    await byId("queued-badge").waitFor({ state: "detached", timeout: 30_000 });
+    await waitFor(() =>
+      [...document.querySelectorAll('[data-testid="message"][data-role="ASSISTANT"] [data-testid="part-text"][data-state="DONE"]')].some(
+        (p) => p.textContent.includes('You said: "the second message"'),
+      ),
+    );
+    const texts = await assistantTexts();
+    if (texts.length !== 2 || !texts[0].includes('You said: "/hold 2"')) throw new Error(`unexpected order: ${JSON.stringify(texts)}`);
+  });
+
+  await step("cancel a run", async () => {
+    await newConversation("Cancel");
+    await send("/hold 30");
+    await page.locator('[data-testid="run-status"][data-status="RUNNING"]').waitFor();
+    await waitFor(() => document.querySelector('[data-role="ASSISTANT"] [data-testid="part-text"]')?.textContent.includes("holding 2"));
+    await byId("cancel-run").click();
+    await page.locator('[data-testid="message-run-status"][data-status="CANCELLED"]').waitFor();
+    await byId("run-bar").waitFor({ state: "detached" });
+    await shot("conversation-cancelled");
+  });
+
+  await step("answer a question: an invalid answer first, then a valid one", async () => {
+    await newConversation("Question");
+    await send("/ask");
+    const card = byId("question-card");
+    await card.waitFor();
+    await byId("option-color-blue").check();
+    await byId("option-days-mon").check();
+    await byId("option-days-wed").check();
+    await byId("other-name").fill("   ");
+    await shot("card-question", card);
+    await byId("answer-submit").click();
+    const fieldError = byId("question-error-name");
+    await fieldError.waitFor();
+    // The error sits inside the field it names.
+    if ((await byId("question-name").getByTestId("question-error-name").count()) !== 1) throw new Error("error not beside its field");
+    await shot("card-question-invalid", card);
+    await byId("other-name").fill("Spring banner");
+    await byId("answer-submit").click();
+    await card.waitFor({ state: "detached" });
+    await page.locator('[data-testid="part-question"][data-status="RESOLVED"]').waitFor();
+    await page.locator('[data-testid="message-run-status"][data-status="COMPLETED"]').last().waitFor();
+    await shot("conversation-question-answered");
+  });
+
+  await step("approve one demo_publish and deny another", async () => {
+    await newConversation("Approvals");
+    await send('/tool demo_publish {"text": "x"}');
+    const card = byId("approval-card");
+    await card.waitFor();
+    if ((await byId("approval-tool").textContent()) !== "demo_publish") throw new Error("wrong tool");
+    const input = JSON.parse(await byId("approval-input").textContent());
+    if (input.text !== "x") throw new Error(`wrong input shown: ${JSON.stringify(input)}`);
+    await byId("decide-ALLOW_ALWAYS").waitFor(); // offered: allow_always = true
+    await shot("card-approval", card);
+    await byId("decide-ALLOW_ONCE").click();
+    await card.waitFor({ state: "detached" });
+    await page.locator('[data-testid="tool-call"][data-outcome="SUCCEEDED"]').waitFor();
+    await page.locator('[data-testid="message-run-status"][data-status="COMPLETED"]').last().waitFor();
+
+    await send('/tool demo_publish {"text": "y"}');
+    await card.waitFor();
+    if (JSON.parse(await byId("approval-input").textContent()).text !== "y") throw new Error("second input wrong");
+    await byId("decide-DENY").click();
+    await card.waitFor({ state: "detached" });
+    await page.locator('[data-testid="tool-call"][data-outcome="DENIED"]').waitFor();
+    await shot("conversation-approvals");
+  });
+
+  await step("a retry indicator for /fail 429", async () => {
+    await newConversation("Retry");
+    await send("/fail 429");
+    const indicator = byId("retry-indicator");
+    await indicator.waitFor();
+    const text = await indicator.textContent();
+    if (!/Attempt 1 of 3 failed/.test(text) || !/429/.test(text)) throw new Error(`indicator says: ${text}`);
+    await byId("retry-countdown").waitFor();
+    await shot("card-retry", byId("run-bar"));
+    await indicator.waitFor({ state: "detached", timeout: 30_000 });
+    await page.locator('[data-testid="message-run-status"][data-status="COMPLETED"]').last().waitFor();
+    await shot("conversation-retried");
+  });
+
+  await step("errors are shown as such: NOT_FOUND and UNAUTHENTICATED", async () => {
+    await page.goto(`${base}/c/00000000-0000-0000-0000-000000000000`);
+    await page.locator('[data-testid="error-banner"][data-code="NOT_FOUND"]').waitFor();
+    await page.evaluate(() => localStorage.setItem("tether.token", "not-a-token"));
+    await page.goto(`${base}/`);
+    await page.locator('[data-testid="error-banner"][data-code="UNAUTHENTICATED"]').first().waitFor();
+    await shot("error-unauthenticated");
+  });
+
+  await browser.close();
 }
 
 main()
