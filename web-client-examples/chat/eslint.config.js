@@ -17,6 +17,6 @@ export default tseslint.config(
   {
     files: ["e2e/**/*.mjs", "*.js"],
     extends: [js.configs.recommended],
-    languageOptions: { ecmaVersion: 2022, globals: globals.node },
+    languageOptions: { ecmaVersion: 2022, globals: { ...globals.node, ...globals.browser } },
   },
 );

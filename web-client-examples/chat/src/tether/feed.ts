@@ -103,6 +103,7 @@ export class EventFeed<T> {
   }
 
   private dropped(action: DropAction): void {
+    this.generation += 1; // whatever the dropped subscription still sends is ignored
     this.stopSubscription = null;
     if (action.kind === "signin") {
       this.stopped = true;
