@@ -7,7 +7,7 @@
 // Env: TETHER_BIN (required), CHROMIUM (default /usr/bin/chromium),
 // E2E_HEADED=1 to watch.
 import { spawn, execFile } from "node:child_process";
-import { mkdtempSync, mkdirSync, writeFileSync, rmSync } from "node:fs";
+import { existsSync, mkdtempSync, mkdirSync, writeFileSync, rmSync } from "node:fs";
 import { createServer } from "node:net";
 import { tmpdir } from "node:os";
 import { dirname, join, resolve } from "node:path";
@@ -38,12 +38,12 @@ const env = {
   TETHER_JWT_SECRET: randomBytes(32).toString("hex"),
   TETHER_LISTEN: "127.0.0.1:0",
   TETHER_CONFIG: join(work, "tether.toml"),
+  TETHER_ENCRYPTION_KEY: randomBytes(32).toString("base64"),
+  GITHUB_CLIENT_SECRET: "demo-secret",
   RUST_LOG: process.env.RUST_LOG ?? "warn",
 };
 
-writeFileSync(
-  env.TETHER_CONFIG,
-  `default_agent = "demo"
+const config = (previewPort, mockUrl) => `default_agent = "demo"
 
 [runtime]
 checkpoint_ms = 250
@@ -55,15 +55,32 @@ allow_always = true
 [[agents]]
 name = "demo"
 provider = "scripted"
-tools = ["ask_questions", "demo_publish"]
+tools = ["ask_questions", "demo_publish", "whoami"]
 stream_delay_ms = 40
 
 [agents.retry]
 max_attempts = 3
 initial_delay_ms = 2500
 max_delay_ms = 4000
-`,
-);
+
+# A tool that needs a "github" connection; the OAuth mock plays GitHub.
+[[tools]]
+name = "whoami"
+description = "Who the connected account is"
+input_schema = { type = "object" }
+recovery = "idempotent"
+http = { method = "GET", url = "${mockUrl}/userinfo" }
+connection = { provider = "github", scopes = ["read:user"] }
+
+[[connections]]
+provider = "github"
+mode = "oauth2"
+authorize_url = "${mockUrl}/authorize"
+token_url = "${mockUrl}/token"
+client_id = "tether-demo"
+client_secret_env = "GITHUB_CLIENT_SECRET"
+redirect_uri = "http://127.0.0.1:${previewPort}/oauth/callback"
+`;
 
 function cleanup() {
   for (const child of children) if (child.exitCode === null) child.kill("SIGTERM");
@@ -75,7 +92,7 @@ process.on("SIGINT", () => process.exit(130));
 /** Starts a process and resolves with the first stdout line matching `pattern`. */
 function startAndWait(command, args, options, pattern, what) {
   return new Promise((resolveLine, reject) => {
-    const child = spawn(command, args, { ...options, stdio: ["ignore", "pipe", "pipe"] });
+    const child = spawn(command, args, { ...options, stdio: ["pipe", "pipe", "pipe"] });
     children.push(child);
     let stderr = "";
     child.stderr.on("data", (d) => {
@@ -125,11 +142,21 @@ async function step(name, fn) {
 }
 
 async function main() {
+  if (!existsSync(join(root, "dist", "index.html"))) throw new Error("no dist/: run `npm run build` first");
+  const port = await freePort();
+  const mockScript = resolve(root, "..", "..", "scripts", "oauth-mock", "server.mjs");
+  const [, mockUrl] = await startAndWait(
+    process.execPath,
+    [mockScript, "0", "--client", "tether-demo:demo-secret"],
+    { cwd: dirname(mockScript) },
+    /listening (http:\/\/\S+)/,
+    "oauth mock",
+  );
+  writeFileSync(env.TETHER_CONFIG, config(port, mockUrl));
   const [, tetherUrl] = await startAndWait(tetherBin, ["serve"], { env, cwd: work }, /tether listening on (http:\/\/\S+)/, "tether");
   const { stdout: tokenOut } = await promisify(execFile)(tetherBin, ["token", "--tenant", "acme", "--sub", "ada"], { env, cwd: work });
   const token = tokenOut.trim();
 
-  const port = await freePort();
   const vite = join(root, "node_modules", ".bin", "vite");
   await startAndWait(
     vite,
@@ -335,6 +362,36 @@ async function main() {
     await indicator.waitFor({ state: "detached", timeout: 30_000 });
     await page.locator('[data-testid="message-run-status"][data-status="COMPLETED"]').last().waitFor();
     await shot("conversation-retried");
+  });
+
+  await step("a connection: declined once, then completed through /oauth/callback", async () => {
+    await newConversation("Declined connection");
+    await send("/tool whoami {}");
+    const card = byId("connection-card");
+    await card.waitFor();
+    if ((await byId("connection-gap").getAttribute("data-gap")) !== "ABSENT") throw new Error("expected gap ABSENT");
+    await shot("card-connection", card);
+    // Declining: the provider comes back with error=access_denied.
+    const state = new URL(await byId("connect-link").getAttribute("href")).searchParams.get("state");
+    const conversationUrl = page.url();
+    const conversationId = conversationUrl.split("/c/")[1];
+    await page.evaluate((id) => sessionStorage.setItem("tether.oauth.returnTo", id), conversationId);
+    await page.goto(`${base}/oauth/callback?error=access_denied&state=${encodeURIComponent(state)}`);
+    await page.waitForURL(conversationUrl);
+    await page.locator('[data-testid="tool-call"][data-outcome="FAILED"]').waitFor();
+    await page.locator('[data-testid="message-run-status"][data-status="COMPLETED"]').last().waitFor();
+    if ((await byId("connection-card").count()) !== 0) throw new Error("the declined card is still offered");
+
+    await newConversation("Connection");
+    await send("/tool whoami {}");
+    await card.waitFor();
+    const here = page.url();
+    await byId("connect-link").click(); // the mock consents at once and sends us to /oauth/callback
+    await page.waitForURL(here, { timeout: TIMEOUT });
+    await card.waitFor({ state: "detached" });
+    await page.locator('[data-testid="tool-call"][data-outcome="SUCCEEDED"]').waitFor();
+    await page.locator('[data-testid="message-run-status"][data-status="COMPLETED"]').last().waitFor();
+    await shot("conversation-connected");
   });
 
   await step("errors are shown as such: NOT_FOUND and UNAUTHENTICATED", async () => {

@@ -43,8 +43,14 @@ describe("ConversationStore: persisted events", () => {
   it("shows a retry from run.retry-pending and drops it when the run goes on", () => {
     const store = seeded();
     store.apply(runEvent(cur(1), "run.started", "RUNNING"));
-    store.apply(retryPending(cur(2), 1));
+    const olderRead = store.beginRead("run:r1"); // the read run.started asked for, still in flight
+    expect(store.apply(retryPending(cur(2), 1))).toEqual([{ kind: "run", id: "r1" }]);
+    const newerRead = store.beginRead("run:r1");
+    expect(store.isLatestRead("run:r1", olderRead)).toBe(false); // its RUNNING is never laid in
     expect(store.getSnapshot().activeRun?.retry).toMatchObject({ attempt: 1, maxAttempts: 3 });
+    expect(store.isLatestRead("run:r1", newerRead)).toBe(true);
+    store.receiveRun({ ...run("r1", "RETRY_PENDING"), nextAttemptAt: "2026-01-01T00:01:00Z" });
+    expect(store.getSnapshot().activeRun?.retry).toMatchObject({ attempt: 1 });
     store.apply(runEvent(cur(3), "run.started", "RUNNING"));
     expect(store.getSnapshot().activeRun?.retry).toBeNull();
   });

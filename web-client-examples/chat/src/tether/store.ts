@@ -220,7 +220,9 @@ export class ConversationStore {
             error: event.error,
           },
         });
-        return [];
+        // A read issued now supersedes any older one still in flight (which
+        // could say RUNNING): only the newest read of a run is laid in.
+        return [{ kind: "run", id: runId }];
       }
       case "MessageEvent": {
         if (!this.messages.has(event.messageId)) {
@@ -406,7 +408,22 @@ export class ConversationStore {
     const known = this.runs.get(run.id);
     // An ended run stays ended, whatever an older read says.
     const status = known && isEnded(known.status) && !isEnded(run.status) ? known.status : run.status;
-    this.putRun({ ...rest, status, retry: status === "RETRY_PENDING" ? (known?.retry ?? null) : null });
+    let retry: RetryInfo | null = null;
+    if (status === "RETRY_PENDING") {
+      // After a reload there was no event: the run itself says when the next attempt is.
+      retry =
+        known?.retry ??
+        (run.nextAttemptAt
+          ? {
+              attempt: run.attempt,
+              maxAttempts: run.maxAttempts,
+              delayMs: 0,
+              nextAttemptAt: run.nextAttemptAt,
+              error: run.error ?? { code: "unknown", message: "the model request failed" },
+            }
+          : null);
+    }
+    this.putRun({ ...rest, status, retry });
   }
 
   private putRun(run: RunView): void {
