@@ -415,7 +415,7 @@ export class ConversationStore {
         known?.retry ??
         (run.nextAttemptAt
           ? {
-              attempt: run.attempt,
+              attempt: Math.max(1, run.attempt - 1), // Run.attempt is already the next one
               maxAttempts: run.maxAttempts,
               delayMs: 0,
               nextAttemptAt: run.nextAttemptAt,
