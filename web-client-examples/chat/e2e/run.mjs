@@ -32,6 +32,7 @@ const TIMEOUT = 20_000;
 
 const work = mkdtempSync(join(tmpdir(), "tether-e2e-"));
 const children = [];
+const lastChild = {};
 const env = {
   ...process.env,
   TETHER_DATABASE_URL: `sqlite://${join(work, "tether.db")}?mode=rwc`,
@@ -94,13 +95,17 @@ function startAndWait(command, args, options, pattern, what) {
   return new Promise((resolveLine, reject) => {
     const child = spawn(command, args, { ...options, stdio: ["pipe", "pipe", "pipe"] });
     children.push(child);
+    lastChild[what] = child;
     let stderr = "";
     child.stderr.on("data", (d) => {
       stderr += d;
       if (process.env.E2E_VERBOSE) process.stderr.write(d);
     });
     const timer = setTimeout(() => reject(new Error(`${what} did not start in time:\n${stderr}`)), 60_000);
-    child.on("exit", (code) => reject(new Error(`${what} exited with ${code}:\n${stderr}`)));
+    child.on("exit", (code, signal) => {
+      clearTimeout(timer);
+      reject(new Error(`${what} exited with ${code ?? signal}:\n${stderr}`));
+    });
     createInterface({ input: child.stdout }).on("line", (line) => {
       if (process.env.E2E_VERBOSE) console.log(`[${what}] ${line}`);
       const match = line.match(pattern);
@@ -153,9 +158,12 @@ async function main() {
     "oauth mock",
   );
   writeFileSync(env.TETHER_CONFIG, config(port, mockUrl));
-  const [, tetherUrl] = await startAndWait(tetherBin, ["serve"], { env, cwd: work }, /tether listening on (http:\/\/\S+)/, "tether");
-  const { stdout: tokenOut } = await promisify(execFile)(tetherBin, ["token", "--tenant", "acme", "--sub", "ada"], { env, cwd: work });
-  const token = tokenOut.trim();
+  const startTether = (listen) =>
+    startAndWait(tetherBin, ["serve"], { env: { ...env, TETHER_LISTEN: listen }, cwd: work }, /tether listening on (http:\/\/\S+)/, "tether");
+  const [, tetherUrl] = await startTether("127.0.0.1:0");
+  const mint = async (ttl = "1h") =>
+    (await promisify(execFile)(tetherBin, ["token", "--tenant", "acme", "--sub", "ada", "--ttl", ttl], { env, cwd: work })).stdout.trim();
+  const token = await mint();
 
   const vite = join(root, "node_modules", ".bin", "vite");
   await startAndWait(
@@ -401,6 +409,40 @@ async function main() {
     await page.goto(`${base}/`);
     await page.locator('[data-testid="error-banner"][data-code="UNAUTHENTICATED"]').first().waitFor();
     await shot("error-unauthenticated");
+  });
+
+  await step("a dropped socket is shown, and the feed resubscribes when the server is back", async () => {
+    await page.evaluate((t) => localStorage.setItem("tether.token", t), token);
+    await page.goto(base);
+    await newConversation("Dropped socket");
+    await send("before the drop");
+    await page.locator('[data-testid="message-run-status"][data-status="COMPLETED"]').last().waitFor();
+    const server = lastChild.tether;
+    const exited = new Promise((res) => server.once("exit", res));
+    server.kill("SIGKILL");
+    await exited;
+    await page.locator('[data-testid="feed-status"][data-state="reconnecting"]').waitFor();
+    await shot("feed-dropped");
+    await startTether(new URL(tetherUrl).host);
+    await page.locator('[data-testid="feed-status"][data-state="live"]').waitFor({ timeout: 30_000 });
+    await send("after the drop");
+    await waitFor(() =>
+      [...document.querySelectorAll('[data-testid="part-text"][data-state="DONE"]')].some((p) =>
+        p.textContent.includes('You said: "after the drop"'),
+      ),
+    );
+    const texts = await assistantTexts();
+    if (texts.length !== 2) throw new Error(`expected two replies, saw ${JSON.stringify(texts)}`);
+  });
+
+  await step("a token that expires while the socket is open sends the person back to sign in (4403)", async () => {
+    const shortLived = await mint("6s");
+    await page.evaluate((t) => localStorage.setItem("tether.token", t), shortLived);
+    await page.goto(base);
+    await newConversation("Expiring token");
+    await byId("signin-reason").waitFor({ timeout: 30_000 });
+    if (!(await byId("signin-reason").textContent()).includes("4403")) throw new Error("not the 4403 reason");
+    await shot("signin-after-4403");
   });
 
   await browser.close();
