@@ -202,10 +202,11 @@ async function main() {
     });
   const newConversation = async (title) => {
     await byId("new-conversation-title").fill(title);
+    const before = page.url();
     await byId("new-conversation").click();
-    await page.waitForURL(/\/c\//);
-    await byId("conversation").waitFor();
-    await page.locator('[data-testid="feed-status"][data-state="live"]').waitFor();
+    await page.waitForURL((url) => url.pathname.startsWith("/c/") && url.href !== before);
+    const id = new URL(page.url()).pathname.slice(3);
+    await page.locator(`[data-testid="conversation"][data-conversation-id="${id}"] [data-testid="feed-status"][data-state="live"]`).waitFor();
   };
 
   await step("sign in with a pasted token", async () => {
@@ -297,6 +298,27 @@ async function main() {
     );
     const texts = await assistantTexts();
     if (texts.length !== 2 || !texts[0].includes('You said: "/hold 2"')) throw new Error(`unexpected order: ${JSON.stringify(texts)}`);
+  });
+
+  await step("REJECT while a run is active is a CONFLICT, shown as such; INTERRUPT ends the run", async () => {
+    await newConversation("Conflict");
+    await send("/hold 30");
+    await page.locator('[data-testid="run-status"][data-status="RUNNING"]').waitFor();
+    await byId("on-active-run").selectOption("REJECT");
+    await byId("composer-input").fill("refused");
+    await byId("composer-send").click();
+    await page.locator('[data-testid="error-banner"][data-code="CONFLICT"]').waitFor();
+    await shot("error-conflict");
+    await byId("on-active-run").selectOption("INTERRUPT");
+    await send("interrupting");
+    await page.locator('[data-testid="message-run-status"][data-status="CANCELLED"]').first().waitFor();
+    await waitFor(() =>
+      [...document.querySelectorAll('[data-testid="part-text"][data-state="DONE"]')].some((p) =>
+        p.textContent.includes('You said: "interrupting"'),
+      ),
+    );
+    const users = await page.locator('[data-testid="message"][data-role="USER"]').count();
+    if (users !== 2) throw new Error(`the refused message was stored: ${users} user messages`);
   });
 
   await step("cancel a run", async () => {

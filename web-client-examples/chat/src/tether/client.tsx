@@ -13,6 +13,8 @@ export interface TetherContextValue {
   onAuthFailure(reason: string): void;
   /** Registers a listener for the socket being up; returns how to remove it. */
   onConnected(listener: () => void): () => void;
+  /** Whether the socket is up now (a new subscription on it is live at once). */
+  isConnected(): boolean;
 }
 
 const TetherContext = createContext<TetherContextValue | null>(null);
@@ -50,14 +52,19 @@ export function TetherProvider({ token, url, onAuthFailure, children }: TetherPr
       fetchOptions: () => ({ headers: { Authorization: `Bearer ${token}` } }),
     });
     const connected = new Set<() => void>();
+    let up = false;
     const ws = createWsClient({
       url: wsEndpoint(endpoint),
       connectionParams: { Authorization: `Bearer ${token}` },
       // The event feed resubscribes itself, from the newest cursor it saw.
       retryAttempts: 0,
       on: {
-        connected: () => connected.forEach((l) => l()),
+        connected: () => {
+          up = true;
+          connected.forEach((l) => l());
+        },
         closed: (event) => {
+          up = false;
           const code = (event as { code?: number } | undefined)?.code;
           if (code === 4403) authFailure.current("the server refused the token (4403)");
         },
@@ -76,6 +83,7 @@ export function TetherProvider({ token, url, onAuthFailure, children }: TetherPr
         return store;
       },
       onAuthFailure: (reason) => authFailure.current(reason),
+      isConnected: () => up,
       onConnected(listener) {
         connected.add(listener);
         return () => connected.delete(listener);

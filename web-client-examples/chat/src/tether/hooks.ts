@@ -132,8 +132,8 @@ export function useConversationEvents(conversationId: string) {
     const query = print(ConversationEventsSubscription);
     const next = new EventFeed<TransportEvent>({
       cursor: () => store.lastCursor,
-      subscribe: (after, sink) =>
-        tether.ws.subscribe<{ conversationEvents: TransportEvent }>(
+      subscribe: (after, sink) => {
+        const stop = tether.ws.subscribe<{ conversationEvents: TransportEvent }>(
           { query, variables: { conversationId, after } },
           {
             next: (result) => {
@@ -143,7 +143,12 @@ export function useConversationEvents(conversationId: string) {
             error: (e) => sink.error(e),
             complete: () => sink.complete(),
           },
-        ),
+        );
+        // On a socket that is already up the subscription is live at once;
+        // otherwise `connected` (below) says so.
+        if (tether.isConnected()) queueMicrotask(() => next.markLive());
+        return stop;
+      },
       onEvent: (event) => runEffects(tether.client, store, store.apply(event)),
       onStatus: (s) => {
         setStatus(s);

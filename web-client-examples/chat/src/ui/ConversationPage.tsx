@@ -14,6 +14,7 @@ import {
   type RunView,
   type TetherError,
 } from "../tether";
+import type { ActiveRunStrategy } from "../gql/graphql";
 import { ApprovalCard, ConnectionCard, QuestionCard } from "./Cards";
 import { MessageItem } from "./Messages";
 import { RetryIndicator } from "./RetryIndicator";
@@ -58,6 +59,7 @@ function Conversation({ id }: { id: string }) {
   const { send, sending } = useSendMessage(id);
   const { cancel, cancelling } = useCancelRun(id);
   const [draft, setDraft] = useState("");
+  const [strategy, setStrategy] = useState<ActiveRunStrategy>("QUEUE");
   const [error, setError] = useState<TetherError | null>(null);
 
   if (conversation.notFound)
@@ -134,7 +136,7 @@ function Conversation({ id }: { id: string }) {
           e.preventDefault();
           const text = draft;
           if (!text.trim()) return;
-          const r = await send(text);
+          const r = await send(text, { onActiveRun: strategy });
           if (r.ok) {
             setDraft("");
             setError(null);
@@ -154,8 +156,20 @@ function Conversation({ id }: { id: string }) {
             }
           }}
         />
+        <label className="strategy">
+          While a run is active
+          <select
+            value={strategy}
+            onChange={(e) => setStrategy(e.target.value as ActiveRunStrategy)}
+            data-testid="on-active-run"
+          >
+            <option value="QUEUE">queue after it</option>
+            <option value="INTERRUPT">interrupt it</option>
+            <option value="REJECT">refuse to send</option>
+          </select>
+        </label>
         <button type="submit" disabled={sending} data-testid="composer-send">
-          {active ? "Queue" : "Send"}
+          {active && strategy === "QUEUE" ? "Queue" : "Send"}
         </button>
       </form>
     </div>
