@@ -5,7 +5,9 @@
 //   TETHER_BIN=/path/to/tether npm run e2e
 //
 // Env: TETHER_BIN (required), CHROMIUM (default /usr/bin/chromium),
-// E2E_HEADED=1 to watch.
+// E2E_HEADED=1 to watch, E2E_VERBOSE=1 for the servers' output, E2E_DIRECT=1
+// to build the page with VITE_TETHER_URL pointing straight at tether (another
+// origin: needs the server's `[api] cors_origins`, which the test sets).
 import { spawn, execFile } from "node:child_process";
 import { existsSync, mkdtempSync, mkdirSync, writeFileSync, rmSync } from "node:fs";
 import { createServer } from "node:net";
@@ -157,10 +159,26 @@ async function main() {
     /listening (http:\/\/\S+)/,
     "oauth mock",
   );
-  writeFileSync(env.TETHER_CONFIG, config(port, mockUrl));
+  // Direct mode: the page calls tether on its own origin, so CORS is
+  // exercised (the server must allow the preview's origin).
+  const direct = process.env.E2E_DIRECT === "1";
+  const base = `http://127.0.0.1:${port}`;
+  let text = config(port, mockUrl);
+  if (direct) text = text.replace("[policy]", `[api]\ncors_origins = ["${base}"]\n\n[policy]`);
+  writeFileSync(env.TETHER_CONFIG, text);
   const startTether = (listen) =>
     startAndWait(tetherBin, ["serve"], { env: { ...env, TETHER_LISTEN: listen }, cwd: work }, /tether listening on (http:\/\/\S+)/, "tether");
-  const [, tetherUrl] = await startTether("127.0.0.1:0");
+  const [, tetherUrl] = await startTether(direct ? `127.0.0.1:${await freePort()}` : "127.0.0.1:0");
+  let outDir = "dist";
+  if (direct) {
+    // VITE_TETHER_URL is read at build time: build a copy that points at tether.
+    outDir = join(work, "dist-direct");
+    await promisify(execFile)(join(root, "node_modules", ".bin", "vite"), ["build", "--outDir", outDir, "--emptyOutDir"], {
+      cwd: root,
+      env: { ...process.env, VITE_TETHER_URL: `${tetherUrl}/graphql` },
+    });
+    console.log(`direct mode: the page at ${base} calls ${tetherUrl}/graphql`);
+  }
   const mint = async (ttl = "1h") =>
     (await promisify(execFile)(tetherBin, ["token", "--tenant", "acme", "--sub", "ada", "--ttl", ttl], { env, cwd: work })).stdout.trim();
   const token = await mint();
@@ -168,12 +186,11 @@ async function main() {
   const vite = join(root, "node_modules", ".bin", "vite");
   await startAndWait(
     vite,
-    ["preview", "--host", "127.0.0.1", "--port", String(port), "--strictPort"],
+    ["preview", "--host", "127.0.0.1", "--port", String(port), "--strictPort", "--outDir", outDir],
     { cwd: root, env: { ...process.env, TETHER_PROXY_TARGET: tetherUrl } },
     /Local:\s+(http:\/\/\S+)/,
     "vite preview",
   );
-  const base = `http://127.0.0.1:${port}`;
 
   const browser = await chromium.launch({
     executablePath: chromiumPath,
