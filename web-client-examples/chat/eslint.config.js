@@ -15,7 +15,7 @@ export default tseslint.config(
     },
   },
   {
-    files: ["e2e/**/*.mjs", "*.js"],
+    files: ["e2e/**/*.mjs", "scripts/**/*.mjs", "*.js"],
     extends: [js.configs.recommended],
     languageOptions: { ecmaVersion: 2022, globals: { ...globals.node, ...globals.browser } },
   },
