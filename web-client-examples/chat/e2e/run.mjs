@@ -119,6 +119,21 @@ function startAndWait(command, args, options, pattern, what) {
   });
 }
 
+/** Resolves once `url` answers HTTP 200 (polled every 100 ms, 60 s at most). */
+async function untilAnswers(url, child) {
+  const deadline = Date.now() + 60_000;
+  while (Date.now() < deadline) {
+    if (child.exitCode !== null) throw new Error(`the server for ${url} exited with ${child.exitCode}`);
+    try {
+      if ((await fetch(url)).ok) return;
+    } catch {
+      // not listening yet
+    }
+    await new Promise((r) => setTimeout(r, 100));
+  }
+  throw new Error(`${url} did not answer in time`);
+}
+
 function freePort() {
   return new Promise((res, rej) => {
     const server = createServer();
@@ -184,13 +199,14 @@ async function main() {
   const token = await mint();
 
   const vite = join(root, "node_modules", ".bin", "vite");
-  await startAndWait(
-    vite,
-    ["preview", "--host", "127.0.0.1", "--port", String(port), "--strictPort", "--outDir", outDir],
-    { cwd: root, env: { ...process.env, TETHER_PROXY_TARGET: tetherUrl } },
-    /Local:\s+(http:\/\/\S+)/,
-    "vite preview",
-  );
+  // Vite's banner differs with CI set; wait for the server to answer instead.
+  const preview = spawn(vite, ["preview", "--host", "127.0.0.1", "--port", String(port), "--strictPort", "--outDir", outDir], {
+    cwd: root,
+    env: { ...process.env, TETHER_PROXY_TARGET: tetherUrl },
+    stdio: ["pipe", process.env.E2E_VERBOSE ? "inherit" : "ignore", "inherit"],
+  });
+  children.push(preview);
+  await untilAnswers(base, preview);
 
   const browser = await chromium.launch({
     executablePath: chromiumPath,
@@ -236,6 +252,15 @@ async function main() {
 
   await step("send a message and see the reply stream in", async () => {
     await newConversation("Streaming");
+    // Record every length the reply's text takes, as the page renders it.
+    await page.evaluate(() => {
+      window.__lengths = [];
+      new MutationObserver(() => {
+        const el = document.querySelector('[data-testid="message"][data-role="ASSISTANT"] [data-testid="part-text"]');
+        const n = el ? el.textContent.replace("▍", "").length : 0;
+        if (n > 0 && window.__lengths.at(-1) !== n) window.__lengths.push(n);
+      }).observe(document.body, { subtree: true, childList: true, characterData: true });
+    });
     await send("hello from the browser");
     const part = page.locator('[data-testid="message"][data-role="ASSISTANT"] [data-testid="part-text"]').first();
     await part.waitFor();
@@ -249,6 +274,9 @@ async function main() {
     const full = await lastAssistantText();
     if (!full.startsWith('You said: "hello from the browser"')) throw new Error(`unexpected reply: ${full}`);
     if (!(partial.length < full.length && full.startsWith(partial))) throw new Error(`no streaming seen: ${partial} / ${full}`);
+    const lengths = await page.evaluate(() => window.__lengths);
+    if (lengths.length < 10 || lengths.some((n, i) => i > 0 && n <= lengths[i - 1]))
+      throw new Error(`the text did not grow chunk by chunk: ${JSON.stringify(lengths)}`);
     await shot("conversation-streamed");
   });
 
