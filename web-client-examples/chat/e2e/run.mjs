@@ -218,6 +218,14 @@ async function main() {
   const page = await context.newPage();
   currentPage = page;
   page.on("pageerror", (e) => console.log(`  [page error] ${e.message}`));
+  // Every subscribe message the page sends, to see which cursor it resumes from.
+  const subscribes = [];
+  page.on("websocket", (ws) =>
+    ws.on("framesent", ({ payload }) => {
+      const message = typeof payload === "string" ? JSON.parse(payload) : null;
+      if (message?.type === "subscribe") subscribes.push(message.payload.variables);
+    }),
+  );
   const shot = (name, target = page) => target.screenshot({ path: join(artifacts, `${name}.png`) });
   const byId = (id) => page.getByTestId(id);
   const waitFor = (fn, arg) => page.waitForFunction(fn, arg, { timeout: TIMEOUT });
@@ -326,6 +334,31 @@ async function main() {
     const ticks = checkHolding(after);
     if (ticks < 20) throw new Error(`expected about 30 holding ticks, saw ${ticks}`);
     if (!after.includes('You said: "/hold 3"')) throw new Error(`reply missing: ${after}`);
+  });
+
+  await step("a socket dropped mid-stream: resubscribed from the last cursor, no text lost or doubled", async () => {
+    await newConversation("Drop mid-stream");
+    await send("/hold 3");
+    await waitFor(() => {
+      const el = [...document.querySelectorAll('[data-testid="part-text"]')].at(-1);
+      return el && el.dataset.state === "STREAMING" && el.textContent.includes("holding 4");
+    });
+    const before = (await streamingText()).text;
+    const conversationId = new URL(page.url()).pathname.slice(3);
+    const firstAfter = subscribes.filter((v) => v.conversationId === conversationId).at(-1).after;
+    await page.evaluate(() => window.tetherDebug.dropSocket());
+    await page.locator('[data-testid="feed-status"][data-state="reconnecting"]').waitFor();
+    await page.locator('[data-testid="feed-status"][data-state="live"]').waitFor();
+    const resumed = subscribes.filter((v) => v.conversationId === conversationId).at(-1).after;
+    // It resumes from the newest cursor it had applied, not from where it started.
+    if (!(resumed > firstAfter)) throw new Error(`resubscribed after ${resumed}, first after ${firstAfter}`);
+    await page.locator('[data-testid="message"][data-role="ASSISTANT"] [data-testid="part-text"][data-state="DONE"]').last().waitFor();
+    const after = (await streamingText()).text;
+    if (!after.startsWith(before)) throw new Error(`text lost across the drop:\n${before}\n${after}`);
+    checkHolding(after);
+    if (!after.includes('You said: "/hold 3"')) throw new Error(`reply missing: ${after}`);
+    const messages = await page.locator('[data-testid="message"]').count();
+    if (messages !== 2) throw new Error(`expected 2 messages, saw ${messages}`);
   });
 
   await step("a message sent during a run is queued and runs next", async () => {
@@ -503,7 +536,7 @@ async function main() {
   });
 
   await step("a token that expires while the socket is open sends the person back to sign in (4403)", async () => {
-    const shortLived = await mint("6s");
+    const shortLived = await mint("10s"); // time enough to sign in and subscribe on a loaded machine
     await page.evaluate((t) => localStorage.setItem("tether.token", t), shortLived);
     await page.goto(base);
     await newConversation("Expiring token");

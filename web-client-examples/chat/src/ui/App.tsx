@@ -1,6 +1,6 @@
-import { useCallback, useState } from "react";
+import { useCallback, useEffect, useState } from "react";
 import { Link, Route, Routes, useNavigate } from "react-router-dom";
-import { TetherProvider, describeError, useConversations, useCreateConversation, useMe } from "../tether";
+import { TetherProvider, describeError, useConversations, useCreateConversation, useMe, useTether } from "../tether";
 import { ConversationPage } from "./ConversationPage";
 import { OAuthCallback } from "./OAuthCallback";
 import { SignIn } from "./SignIn";
@@ -31,8 +31,22 @@ export function App() {
   );
 }
 
+declare global {
+  interface Window {
+    /** For trying a dropped socket from the console (and for the browser test). */
+    tetherDebug?: { dropSocket(): void };
+  }
+}
+
 function Shell({ onSignOut }: { onSignOut(): void }) {
   const { me, error: meError } = useMe();
+  const tether = useTether();
+  useEffect(() => {
+    window.tetherDebug = { dropSocket: () => tether.ws.terminate() };
+    return () => {
+      delete window.tetherDebug;
+    };
+  }, [tether]);
   return (
     <div className="shell">
       <aside className="sidebar">

@@ -32,7 +32,7 @@ function FeedBadge({ status, onRetry }: { status: FeedStatus; onRetry(): void })
       : status.state === "connecting"
         ? "connecting…"
         : status.state === "reconnecting"
-          ? `connection dropped (${status.reason}); reconnecting`
+          ? `connection dropped: ${status.reason}; reconnecting`
           : status.state === "failed"
             ? `events stopped: ${status.code ?? ""} ${status.reason}`
             : status.state === "unauthorized"
