@@ -16,6 +16,12 @@ describe("toTetherError", () => {
     const missing = toTetherError(new CombinedError({ graphQLErrors: [new GraphQLError("not found", { extensions: { code: "NOT_FOUND" } })] }));
     expect(missing.code).toBe("NOT_FOUND");
   });
+  it("reads UNAVAILABLE, and an unknown code as UNKNOWN", () => {
+    const down = toTetherError(new CombinedError({ graphQLErrors: [new GraphQLError("the authorization server could not be reached", { extensions: { code: "UNAVAILABLE" } })] }));
+    expect(describeError(down)).toBe("Try again later: the authorization server could not be reached");
+    const odd = toTetherError(new CombinedError({ graphQLErrors: [new GraphQLError("?", { extensions: { code: "SOMETHING_NEW" } })] }));
+    expect(odd.code).toBe("UNKNOWN");
+  });
   it("tells a network failure from a server answer", () => {
     expect(toTetherError(new CombinedError({ networkError: new Error("Failed to fetch") })).code).toBe("NETWORK");
   });

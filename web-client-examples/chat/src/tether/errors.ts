@@ -9,6 +9,7 @@ export type ErrorCode =
   | "FORBIDDEN"
   | "INTERNAL"
   | "TIMEOUT"
+  | "UNAVAILABLE"
   | "NETWORK"
   | "UNKNOWN";
 
@@ -27,6 +28,7 @@ const KNOWN: ReadonlySet<string> = new Set([
   "FORBIDDEN",
   "INTERNAL",
   "TIMEOUT",
+  "UNAVAILABLE",
 ]);
 
 export function toTetherError(error: CombinedError): TetherError {
@@ -52,6 +54,8 @@ export function describeError(error: TetherError): string {
       return `Conflict: ${error.message}`;
     case "NETWORK":
       return `The server cannot be reached: ${error.message}`;
+    case "UNAVAILABLE":
+      return `Try again later: ${error.message}`;
     default:
       return `${error.code}: ${error.message}`;
   }
