@@ -133,7 +133,10 @@ pub async fn start(config: Config, role: Role) -> anyhow::Result<Running> {
     };
     let app = match role {
         Role::Worker => api::health_router(services),
-        Role::All | Role::Api => api::router(services, auth),
+        Role::All | Role::Api => {
+            tokio::spawn(api::feed::watch_heads(store.clone(), stopping.clone()));
+            api::router(services, auth)
+        }
     };
     let listener = TcpListener::bind(config.listen)
         .await

@@ -16,8 +16,38 @@ use crate::store::{Result, Store, reads};
 /// Events read from the log per query while catching up.
 const PAGE: u64 = 500;
 
-/// How often a subscription looks at the log's head itself.
-const POLL: std::time::Duration = std::time::Duration::from_secs(1);
+/// How often the head watcher looks at the logs of watched conversations.
+const WATCH_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+
+/// Conversations whose heads one query reads.
+const HEADS_PER_QUERY: usize = 500;
+
+/// The bus only hears this process; another one (a worker of a split
+/// deployment, any process on SQLite, a lost PostgreSQL notification) may
+/// have written. One task per process reads the heads of every watched
+/// conversation each second, in a few queries, and wakes the subscribers of
+/// those that grew: no subscription keeps a timer of its own.
+pub async fn watch_heads(store: Store, stop: tokio_util::sync::CancellationToken) {
+    let mut tick = tokio::time::interval(WATCH_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            () = stop.cancelled() => return,
+        }
+        let watched = store.bus().watched();
+        for ids in watched.chunks(HEADS_PER_QUERY) {
+            match reads::heads(store.api_reads(), ids).await {
+                Ok(heads) => {
+                    for (id, head) in heads {
+                        store.bus().head_is(id, head);
+                    }
+                }
+                Err(err) => tracing::warn!(error = %err, "could not read the logs' heads"),
+            }
+        }
+    }
+}
 
 pub struct FeedRequest {
     pub tenant: String,
@@ -29,18 +59,23 @@ pub struct FeedRequest {
 }
 
 pub fn follow(store: Store, request: FeedRequest) -> impl Stream<Item = Result<Arc<Event>>> {
+    follow_with(store, request, std::future::ready(()))
+}
+
+/// `follow`, with `between_reads` awaited between the read of the log's
+/// head and the read of the run's status (a test commits there).
+fn follow_with(
+    store: Store,
+    request: FeedRequest,
+    between_reads: impl Future<Output = ()> + Send,
+) -> impl Stream<Item = Result<Arc<Event>>> {
     async_stream::try_stream! {
         let FeedRequest { tenant, conversation_id, after, run_id } = request;
         let mut live = store.bus().subscribe(conversation_id);
-        // Read after registering on the bus: a run that ends later is seen
-        // live; one that has already ended has its whole story in the log.
-        let catch_up_only = match run_id {
-            Some(id) => match reads::run(store.api_reads(), &tenant, id).await? {
-                Some(run) => reads::run_status(&run)?.is_ended(),
-                None => true,
-            },
-            None => false,
-        };
+        // The head first, then the run: whatever commits after the head was
+        // read comes after `last`, live or from the log. (Read the other way
+        // round, a run that ended between the two reads had its final event
+        // counted as seen, and the subscription never completed.)
         let mut last = match after {
             Some(cursor) => cursor,
             None => {
@@ -48,11 +83,18 @@ pub fn follow(store: Store, request: FeedRequest) -> impl Stream<Item = Result<A
                 Cursor(row.map_or(0, |c| c.event_seq))
             }
         };
+        between_reads.await;
+        // A run that has ended has the rest of its story in the log after
+        // `last` (nothing, when it ended before): read it, then stop.
+        let catch_up_only = match run_id {
+            Some(id) => match reads::run(store.api_reads(), &tenant, id).await? {
+                Some(run) => reads::run_status(&run)?.is_ended(),
+                None => true,
+            },
+            None => false,
+        };
         let wanted = |event: &Event| run_id.is_none() || event.run_id == run_id;
-        let mut poll = tokio::time::interval(POLL);
-        poll.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        poll.reset();
-        let mut behind = after.is_some();
+        let mut behind = after.is_some() || catch_up_only;
         loop {
             if behind {
                 let page = reads::events_after(store.api_reads(), &tenant, conversation_id, last, PAGE).await?;
@@ -72,19 +114,9 @@ pub fn follow(store: Store, request: FeedRequest) -> impl Stream<Item = Result<A
             if catch_up_only {
                 return;
             }
-            let signal = tokio::select! {
-                signal = live.recv() => Some(signal),
-                _ = poll.tick() => None,
-            };
-            let Some(signal) = signal else {
-                // The bus only hears this process; another one (a worker of
-                // a split deployment, or any instance on SQLite) may have
-                // written. A cheap look at the log's head now and then.
-                let head = reads::conversation(store.api_reads(), &tenant, conversation_id).await?;
-                behind = head.is_some_and(|c| c.event_seq > last.0);
-                continue;
-            };
-            let event = match signal {
+            // Woken by this process's commits, or by the head watcher when
+            // the log grew elsewhere.
+            let event = match live.recv().await {
                 Ok(Signal::Event(event)) => event,
                 Ok(Signal::Stale) | Err(RecvError::Lagged(_)) => {
                     behind = true;
@@ -125,7 +157,40 @@ mod tests {
 
     use super::*;
     use crate::bus::CAPACITY;
-    use crate::store::test_support::{conversation, send_hi, temp_store};
+    use crate::domain::event::EventKind;
+    use crate::store::commands;
+    use crate::store::test_support::{ada, conversation, queued_run, send_hi, temp_store};
+
+    #[tokio::test]
+    async fn a_run_that_ends_between_the_subscriptions_reads_still_completes_it() {
+        let (store, dir) = temp_store().await;
+        let run = queued_run(&store).await;
+        // The run ends after the log's head is read and before its status
+        // is: its final event is after the head, and must be delivered.
+        let ends = {
+            let store = store.clone();
+            async move {
+                commands::cancel_run(&store, &ada(), run.id).await.unwrap();
+            }
+        };
+        let feed = follow_with(
+            store.clone(),
+            FeedRequest {
+                tenant: "acme".into(),
+                conversation_id: run.conversation_id,
+                after: None,
+                run_id: Some(run.id),
+            },
+            ends,
+        );
+        let events: Vec<_> =
+            tokio::time::timeout(std::time::Duration::from_secs(10), feed.collect())
+                .await
+                .expect("the subscription completes");
+        let kinds: Vec<EventKind> = events.into_iter().map(|e| e.unwrap().kind).collect();
+        assert_eq!(kinds.last(), Some(&EventKind::RunCancelled), "{kinds:?}");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
 
     #[tokio::test]
     async fn a_subscriber_that_lags_on_the_bus_reads_the_log_and_misses_nothing() {

@@ -5,7 +5,7 @@ pub mod context;
 pub mod cost;
 pub mod error;
 pub mod events;
-mod feed;
+pub mod feed;
 mod http;
 pub mod listener;
 pub mod mutation;

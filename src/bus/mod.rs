@@ -26,9 +26,17 @@ pub enum Signal {
     Stale,
 }
 
+/// A conversation's live channel, and the newest persisted cursor its
+/// subscribers have heard of (an event sent, or a poke up to a head the
+/// watcher read): what the head watcher compares the log's head with.
+struct Channel {
+    sender: broadcast::Sender<Signal>,
+    announced: i64,
+}
+
 #[derive(Clone)]
 pub struct Bus {
-    channels: Arc<Mutex<HashMap<Uuid, broadcast::Sender<Signal>>>>,
+    channels: Arc<Mutex<HashMap<Uuid, Channel>>>,
     queued: Arc<Notify>,
     cancels: broadcast::Sender<Uuid>,
     /// Names this process in notifications, to skip its own.
@@ -58,14 +66,39 @@ impl Bus {
         self.origin
     }
 
-    /// Registers for a conversation's live events from now on.
+    /// Registers for a conversation's live events from now on. Channels
+    /// nobody listens to any more are dropped by `watched`, not here, so a
+    /// subscribe costs the same however many conversations are watched.
     pub fn subscribe(&self, conversation_id: Uuid) -> broadcast::Receiver<Signal> {
         let mut channels = self.channels.lock().unwrap_or_else(PoisonError::into_inner);
-        channels.retain(|_, sender| sender.receiver_count() > 0);
         channels
             .entry(conversation_id)
-            .or_insert_with(|| broadcast::channel(CAPACITY).0)
+            .or_insert_with(|| Channel {
+                sender: broadcast::channel(CAPACITY).0,
+                announced: 0,
+            })
+            .sender
             .subscribe()
+    }
+
+    /// The conversations someone listens to; channels without listeners
+    /// are dropped.
+    pub fn watched(&self) -> Vec<Uuid> {
+        let mut channels = self.channels.lock().unwrap_or_else(PoisonError::into_inner);
+        channels.retain(|_, channel| channel.sender.receiver_count() > 0);
+        channels.keys().copied().collect()
+    }
+
+    /// The log of a conversation reaches `head`: its subscribers are told
+    /// to read it, unless they have heard of that far already.
+    pub fn head_is(&self, conversation_id: Uuid, head: i64) {
+        let mut channels = self.channels.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(channel) = channels.get_mut(&conversation_id)
+            && head > channel.announced
+        {
+            channel.announced = head;
+            let _ = channel.sender.send(Signal::Stale);
+        }
     }
 
     /// Sends events to the current subscribers of their conversations, and
@@ -90,10 +123,17 @@ impl Bus {
         }
         let mut channels = self.channels.lock().unwrap_or_else(PoisonError::into_inner);
         for event in events {
-            let Some(sender) = channels.get(&event.conversation_id) else {
+            let Some(channel) = channels.get_mut(&event.conversation_id) else {
                 continue;
             };
-            if sender.send(Signal::Event(Arc::new(event.clone()))).is_err() {
+            if event.kind.is_persisted() {
+                channel.announced = channel.announced.max(event.cursor.0);
+            }
+            if channel
+                .sender
+                .send(Signal::Event(Arc::new(event.clone())))
+                .is_err()
+            {
                 channels.remove(&event.conversation_id);
             }
         }
@@ -107,16 +147,16 @@ impl Bus {
     /// Tells a conversation's subscribers that its log grew elsewhere.
     pub fn poke(&self, conversation_id: Uuid) {
         let channels = self.channels.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(sender) = channels.get(&conversation_id) {
-            let _ = sender.send(Signal::Stale);
+        if let Some(channel) = channels.get(&conversation_id) {
+            let _ = channel.sender.send(Signal::Stale);
         }
     }
 
     /// Tells every subscriber to check the log (notifications were lost).
     pub fn poke_all(&self) {
         let channels = self.channels.lock().unwrap_or_else(PoisonError::into_inner);
-        for sender in channels.values() {
-            let _ = sender.send(Signal::Stale);
+        for channel in channels.values() {
+            let _ = channel.sender.send(Signal::Stale);
         }
     }
 

@@ -41,6 +41,22 @@ pub async fn conversation<C: ConnectionTrait>(
     owned::<conversation::Entity, _>(db, conversation::Column::Tenant, tenant, id).await
 }
 
+/// The log heads (`event_seq`) of these conversations, whichever tenant's.
+pub async fn heads<C: ConnectionTrait>(db: &C, ids: &[Uuid]) -> Result<Vec<(Uuid, i64)>> {
+    if ids.is_empty() {
+        return Ok(Vec::new());
+    }
+    let rows = conversation::Entity::find()
+        .select_only()
+        .column(conversation::Column::Id)
+        .column(conversation::Column::EventSeq)
+        .filter(conversation::Column::Id.is_in(ids.iter().copied()))
+        .into_tuple::<(Uuid, i64)>()
+        .all(db)
+        .await?;
+    Ok(rows)
+}
+
 /// Newest first. Returns the page and whether more follow.
 pub async fn conversations<C: ConnectionTrait>(
     db: &C,
