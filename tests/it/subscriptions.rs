@@ -424,3 +424,61 @@ async fn a_websocket_query_reads_one_snapshot_while_writers_commit() {
         assert_eq!(created, returned, "messages as of {cursor}");
     }
 }
+
+/// A subscriber that stops reading while thousands of events commit (far
+/// more than the bus buffers for it) holds nobody up: a fast subscriber of
+/// the same conversation gets every event while the slow one still reads
+/// nothing, and the slow one, once it reads again, gets every event too,
+/// once each and in order (it repairs its lag from the log).
+#[tokio::test]
+async fn a_slow_subscriber_neither_loses_events_nor_delays_a_fast_one() {
+    const SENDS: usize = 700; // 1,400 events: more than the bus's 1,024
+    let config =
+        crate::support::BASE_CONFIG.replace("[api]\n", "[api]\nws_send_timeout_secs = 300\n");
+    let server = Server::start_with(crate::support::ServerOptions {
+        config,
+        ..Default::default()
+    })
+    .await;
+    let token = server.token("acme", "ada");
+    let conversation = server.create_conversation(&token).await;
+    let start = "0000000000000000";
+    let mut slow = WsClient::connect_slow(&server, &token).await;
+    slow.subscribe(
+        "slow",
+        CONVERSATION_EVENTS,
+        json!({ "c": conversation, "a": start }),
+    )
+    .await;
+    let mut fast = WsClient::connect(&server, &token).await;
+    fast.subscribe(
+        "fast",
+        CONVERSATION_EVENTS,
+        json!({ "c": conversation, "a": start }),
+    )
+    .await;
+    let total = SENDS * 2;
+    let last = format!("{total:016}");
+    let expected: Vec<String> = (1..=total).map(|n| format!("{n:016}")).collect();
+
+    // The writes and the fast reader run together; the slow socket is not
+    // read at all meanwhile.
+    let writes = async {
+        for i in 0..SENDS {
+            server
+                .send(&token, &conversation, &format!("message {i}"))
+                .await;
+        }
+    };
+    let (_, fast_seen) = tokio::join!(writes, collect_cursors(&mut fast, "fast", &last));
+    assert_eq!(
+        fast_seen, expected,
+        "fast subscriber: gap, repeat or disorder"
+    );
+
+    let slow_seen = collect_cursors(&mut slow, "slow", &last).await;
+    assert_eq!(
+        slow_seen, expected,
+        "slow subscriber: gap, repeat or disorder"
+    );
+}

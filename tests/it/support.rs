@@ -704,13 +704,32 @@ pub enum Ending {
 
 impl WsClient {
     pub async fn open(server: &Server, protocol: &'static str) -> WsClient {
+        WsClient::open_with(server, protocol, None).await
+    }
+
+    /// `open`, with the socket's receive buffer set to `receive_buffer`
+    /// bytes: a client that stops reading then stalls the server's writes
+    /// after a few frames, instead of the kernel absorbing megabytes.
+    async fn open_with(
+        server: &Server,
+        protocol: &'static str,
+        receive_buffer: Option<u32>,
+    ) -> WsClient {
         let mut request = format!("ws://{}/graphql", server.addr)
             .into_client_request()
             .unwrap();
         request
             .headers_mut()
             .insert("Sec-WebSocket-Protocol", HeaderValue::from_static(protocol));
-        let (socket, response) = tokio_tungstenite::connect_async(request).await.unwrap();
+        let tcp = tokio::net::TcpSocket::new_v4().unwrap();
+        if let Some(bytes) = receive_buffer {
+            tcp.set_recv_buffer_size(bytes).unwrap();
+        }
+        let stream = tcp.connect(server.addr.parse().unwrap()).await.unwrap();
+        let stream = tokio_tungstenite::MaybeTlsStream::Plain(stream);
+        let (socket, response) = tokio_tungstenite::client_async(request, stream)
+            .await
+            .unwrap();
         assert_eq!(
             response.headers().get("sec-websocket-protocol").unwrap(),
             protocol
@@ -720,7 +739,16 @@ impl WsClient {
 
     /// Opens and initialises with a token; panics unless acknowledged.
     pub async fn connect(server: &Server, token: &str) -> WsClient {
-        let mut client = WsClient::open(server, "graphql-transport-ws").await;
+        WsClient::connect_with(server, token, None).await
+    }
+
+    /// `connect` with a small receive buffer (see `open_with`).
+    pub async fn connect_slow(server: &Server, token: &str) -> WsClient {
+        WsClient::connect_with(server, token, Some(4096)).await
+    }
+
+    async fn connect_with(server: &Server, token: &str, receive_buffer: Option<u32>) -> WsClient {
+        let mut client = WsClient::open_with(server, "graphql-transport-ws", receive_buffer).await;
         client
             .init(json!({ "Authorization": format!("Bearer {token}") }))
             .await;
