@@ -199,6 +199,9 @@ pub struct ApiConfig {
     pub ws_init_timeout_secs: u64,
     /// Operations (subscriptions) one WebSocket may run at once.
     pub ws_max_operations: usize,
+    /// Subscriptions the whole process serves at once; more are refused
+    /// with `UNAVAILABLE`.
+    pub max_subscriptions: usize,
     /// How long one frame may take to reach a WebSocket client before the
     /// connection is given up as stalled.
     pub ws_send_timeout_secs: u64,
@@ -238,6 +241,7 @@ impl Default for ApiConfig {
             ws_keepalive_secs: 15,
             ws_init_timeout_secs: 10,
             ws_max_operations: 100,
+            max_subscriptions: 100_000,
             ws_send_timeout_secs: 10,
             header_read_timeout_secs: 10,
             keepalive_idle_secs: 60,
@@ -773,6 +777,12 @@ impl FileConfig {
         at_least("api.read_connections", api.read_connections, 1)?;
         at_least("api.max_full_output_bytes", api.max_full_output_bytes, 1024)?;
         at_least("api.ws_max_operations", api.ws_max_operations, 1)?;
+        between(
+            "api.max_subscriptions",
+            api.max_subscriptions,
+            1,
+            tokio::sync::Semaphore::MAX_PERMITS.min(100_000_000),
+        )?;
         between(
             "api.ws_send_timeout_secs",
             api.ws_send_timeout_secs,

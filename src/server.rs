@@ -126,11 +126,7 @@ pub async fn start(config: Config, role: Role) -> anyhow::Result<Running> {
             },
         )
     });
-    let services = Services {
-        store: store.clone(),
-        config: file,
-        connections,
-    };
+    let services = Services::new(store.clone(), file, connections);
     let app = match role {
         Role::Worker => api::health_router(services),
         Role::All | Role::Api => {

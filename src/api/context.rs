@@ -28,6 +28,20 @@ pub struct Services {
     pub store: Store,
     pub config: Arc<FileConfig>,
     pub connections: Arc<Connections>,
+    /// One permit per subscription being served (`api.max_subscriptions`).
+    pub subscriptions: Arc<tokio::sync::Semaphore>,
+}
+
+impl Services {
+    pub fn new(store: Store, config: Arc<FileConfig>, connections: Arc<Connections>) -> Services {
+        let subscriptions = Arc::new(tokio::sync::Semaphore::new(config.api.max_subscriptions));
+        Services {
+            store,
+            config,
+            connections,
+            subscriptions,
+        }
+    }
 }
 
 /// One read-only transaction per request, begun on first use, so that every

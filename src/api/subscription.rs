@@ -1,5 +1,6 @@
 use async_graphql::{Context, ID, Subscription};
 use futures_util::{Stream, StreamExt};
+use tokio::sync::OwnedSemaphorePermit;
 
 use super::context::{services, viewer};
 use super::error::{ApiError, ApiResult};
@@ -13,13 +14,29 @@ pub struct Subscription;
 
 type EventStream = std::pin::Pin<Box<dyn Stream<Item = ApiResult<TransportEvent>> + Send>>;
 
+/// The subscription's permit (`api.max_subscriptions`), held for as long as
+/// it is served.
+fn permit(ctx: &Context<'_>) -> ApiResult<OwnedSemaphorePermit> {
+    services(ctx)
+        .subscriptions
+        .clone()
+        .try_acquire_owned()
+        .map_err(|_| {
+            ApiError::Unavailable(
+                "the server is serving as many subscriptions as it may; try again later".into(),
+            )
+        })
+}
+
 fn to_transport(
     stream: impl Stream<Item = crate::store::Result<std::sync::Arc<crate::domain::event::Event>>>
     + Send
     + 'static,
+    permit: OwnedSemaphorePermit,
 ) -> EventStream {
     stream
-        .map(|item| {
+        .map(move |item| {
+            let _held = &permit;
             item.map(|event| TransportEvent::from(&*event))
                 .map_err(ApiError::from)
         })
@@ -40,6 +57,7 @@ impl Subscription {
         let tenant = viewer(ctx)?.tenant.clone();
         let store = services(ctx).store.clone();
         let conversation_id = parse_id(&conversation_id).ok_or(ApiError::NotFound)?;
+        let permit = permit(ctx)?;
         reads::conversation(store.api_reads(), &tenant, conversation_id)
             .await?
             .ok_or(ApiError::NotFound)?;
@@ -49,7 +67,7 @@ impl Subscription {
             after,
             run_id: None,
         };
-        Ok(to_transport(follow(store, request)))
+        Ok(to_transport(follow(store, request), permit))
     }
 
     /// One run's events; completes after the run's final event.
@@ -63,6 +81,7 @@ impl Subscription {
         let tenant = viewer(ctx)?.tenant.clone();
         let store = services(ctx).store.clone();
         let run_id = parse_id(&run_id).ok_or(ApiError::NotFound)?;
+        let permit = permit(ctx)?;
         let run = reads::run(store.api_reads(), &tenant, run_id)
             .await?
             .ok_or(ApiError::NotFound)?;
@@ -72,6 +91,6 @@ impl Subscription {
             after,
             run_id: Some(run_id),
         };
-        Ok(to_transport(follow(store, request)))
+        Ok(to_transport(follow(store, request), permit))
     }
 }

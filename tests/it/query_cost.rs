@@ -324,11 +324,8 @@ async fn statements_for(server: &Server, tenant: &str, query: &str) -> u64 {
         .await
         .unwrap();
     let config = FileConfig::from_toml(BASE_CONFIG).unwrap();
-    let schema = tether::api::schema(Services {
-        store: store.clone(),
-        connections: Arc::new(tether::connections::Connections::new(&config, None)),
-        config: Arc::new(config),
-    });
+    let connections = Arc::new(tether::connections::Connections::new(&config, None));
+    let schema = tether::api::schema(Services::new(store.clone(), Arc::new(config), connections));
     let before = store.read_statements();
     let response = schema
         .execute(async_graphql::Request::new(query).data(Viewer {

@@ -482,3 +482,71 @@ async fn a_slow_subscriber_neither_loses_events_nor_delays_a_fast_one() {
         "slow subscriber: gap, repeat or disorder"
     );
 }
+
+/// The server as a whole serves at most `max_subscriptions`, across
+/// sockets; the next is refused with `UNAVAILABLE`, and an ended one makes
+/// room.
+#[tokio::test]
+async fn the_server_serves_a_bounded_number_of_subscriptions() {
+    let config = crate::support::BASE_CONFIG.replace("[api]\n", "[api]\nmax_subscriptions = 2\n");
+    let server = Server::start_with(crate::support::ServerOptions {
+        config,
+        ..Default::default()
+    })
+    .await;
+    let token = server.token("acme", "ada");
+    let conversation = server.create_conversation(&token).await;
+    let mut first = WsClient::connect(&server, &token).await;
+    let mut second = WsClient::connect(&server, &token).await;
+    first
+        .subscribe("a", CONVERSATION_EVENTS, json!({ "c": conversation }))
+        .await;
+    second
+        .subscribe("b", CONVERSATION_EVENTS, json!({ "c": conversation }))
+        .await;
+    // Both are being served: the next event reaches them.
+    server.send(&token, &conversation, "hello").await;
+    first.next_event("a").await;
+    second.next_event("b").await;
+
+    second
+        .subscribe("c", CONVERSATION_EVENTS, json!({ "c": conversation }))
+        .await;
+    let refusal = answer_to(&mut second, "c").await;
+    assert_eq!(
+        refusal["errors"][0]["extensions"]["code"], "UNAVAILABLE",
+        "{refusal}"
+    );
+
+    drop(first);
+    // The first socket's subscription ends with it; then there is room,
+    // and the new subscription gets the next event.
+    let deadline = tokio::time::Instant::now() + crate::support::PATIENCE;
+    loop {
+        second
+            .subscribe(
+                "d",
+                CONVERSATION_EVENTS,
+                json!({ "c": conversation, "a": "0000000000000000" }),
+            )
+            .await;
+        let answer = answer_to(&mut second, "d").await;
+        if answer.get("errors").is_none() {
+            assert!(answer["data"]["conversationEvents"].is_object(), "{answer}");
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "no room: {answer}");
+        tokio::task::yield_now().await;
+    }
+}
+
+/// The payload of the next `next` message for `id` (a refused subscription
+/// is one `next` with `errors`, then `complete`), skipping `complete`s.
+async fn answer_to(client: &mut WsClient, id: &str) -> Value {
+    loop {
+        let message = client.next_json().await.expect("the socket stays open");
+        if message["id"] == id && message["type"] == "next" {
+            return message["payload"].clone();
+        }
+    }
+}
