@@ -43,7 +43,12 @@
 //! - **server CPU**: utime + stime of the server process
 //!   (`/proc/PID/stat`, clock ticks → seconds) over the workload's measured
 //!   part (connecting, subscribing and the events for idle; the sends and
-//!   their delivery for fan-out; the replay for catch-up).
+//!   their delivery for fan-out; the replay for catch-up). "bench client
+//!   CPU" is this process's own (`getrusage`) over the same span: when it
+//!   nears the span's length on one core, the client is what limits.
+//! - Percentiles are over the events that arrived; each server waits at
+//!   most 60 s past the last send, and "delivered" notes "X of Y" when
+//!   some had not arrived by then.
 //!
 //! Sizes (defaults are the issue's; quick mode in brackets):
 //! `TETHER_BENCH_IDLE` = "1000,10000" ["100,1000"],
@@ -524,6 +529,7 @@ struct Idle {
     kib_per_sub: f64,
     open_secs: f64,
     cpu: f64,
+    client_cpu: f64,
 }
 
 async fn idle(kind: Kind, n: usize) -> Idle {
@@ -548,7 +554,7 @@ async fn idle(kind: Kind, n: usize) -> Idle {
     }
     drop(probe);
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let (rss0, cpu0) = (server.rss_kib(), server.cpu_secs());
+    let (rss0, cpu0, own0) = (server.rss_kib(), server.cpu_secs(), own_cpu());
 
     let counters = Arc::new(Counters::default());
     let (stop, stopped) = watch::channel(false);
@@ -574,12 +580,13 @@ async fn idle(kind: Kind, n: usize) -> Idle {
     )
     .await;
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let (rss1, cpu1) = (server.rss_kib(), server.cpu_secs());
+    let (rss1, cpu1, own1) = (server.rss_kib(), server.cpu_secs(), own_cpu());
     finish(stop, readers).await;
     Idle {
         kib_per_sub: (rss1 - rss0) / n as f64,
         open_secs,
         cpu: cpu1 - cpu0,
+        client_cpu: own1 - own0,
     }
 }
 
@@ -590,6 +597,7 @@ struct Fanout {
     delivered: usize,
     expected: usize,
     cpu: f64,
+    client_cpu: f64,
 }
 
 async fn fanout(kind: Kind, n: usize, events_per_sec: usize, secs: usize) -> Fanout {
@@ -612,7 +620,7 @@ async fn fanout(kind: Kind, n: usize, events_per_sec: usize, secs: usize) -> Fan
 
     let messages = (events_per_sec * secs / 2).max(1);
     let sent: Arc<Mutex<HashMap<u128, Instant>>> = Arc::default();
-    let cpu0 = server.cpu_secs();
+    let (cpu0, own0) = (server.cpu_secs(), own_cpu());
     let first_send = Instant::now();
     let mut tick = tokio::time::interval(Duration::from_secs_f64(2.0 / events_per_sec as f64));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
@@ -636,7 +644,7 @@ async fn fanout(kind: Kind, n: usize, events_per_sec: usize, secs: usize) -> Fan
         counters.events.load(Ordering::Relaxed) >= base + expected
     })
     .await;
-    let cpu1 = server.cpu_secs();
+    let (cpu1, own1) = (server.cpu_secs(), own_cpu());
     let kept = finish(stop, readers).await;
     let sent = sent.lock().unwrap();
     let mut latencies = Vec::with_capacity(expected);
@@ -658,6 +666,7 @@ async fn fanout(kind: Kind, n: usize, events_per_sec: usize, secs: usize) -> Fan
         delivered,
         expected,
         cpu: cpu1 - cpu0,
+        client_cpu: own1 - own0,
     }
 }
 
@@ -692,7 +701,7 @@ async fn deltas(kind: Kind, n: usize, stream_delay_ms: usize, secs: usize) -> Fa
         counters.completed.load(Ordering::Relaxed) >= n
     })
     .await;
-    let cpu0 = server.cpu_secs();
+    let (cpu0, own0) = (server.cpu_secs(), own_cpu());
     let started = Instant::now();
     let mut runs = 0;
     while started.elapsed() < Duration::from_secs(secs as u64) {
@@ -706,7 +715,7 @@ async fn deltas(kind: Kind, n: usize, stream_delay_ms: usize, secs: usize) -> Fa
         || counters.completed.load(Ordering::Relaxed) >= n * (runs + 1),
     )
     .await;
-    let cpu1 = server.cpu_secs();
+    let (cpu1, own1) = (server.cpu_secs(), own_cpu());
     let kept = finish(stop, readers).await;
     // First receipt of each delta, by any subscriber.
     let mut first: HashMap<(u128, u64), Instant> = HashMap::new();
@@ -737,6 +746,7 @@ async fn deltas(kind: Kind, n: usize, stream_delay_ms: usize, secs: usize) -> Fa
         delivered,
         expected: first.len() * n,
         cpu: cpu1 - cpu0,
+        client_cpu: own1 - own0,
     }
 }
 
@@ -865,6 +875,18 @@ fn print_table(rows: &[Row], reference: bool) {
     }
 }
 
+/// CPU seconds used by this process (the client side), user + system.
+fn own_cpu() -> f64 {
+    // SAFETY: getrusage with a valid pointer to a local.
+    let usage = unsafe {
+        let mut usage: libc::rusage = std::mem::zeroed();
+        libc::getrusage(libc::RUSAGE_SELF, &mut usage);
+        usage
+    };
+    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    secs(usage.ru_utime) + secs(usage.ru_stime)
+}
+
 fn raise_fd_limit() -> u64 {
     // SAFETY: getrlimit/setrlimit with a valid pointer to a local.
     unsafe {
@@ -945,6 +967,12 @@ async fn main() {
             format!("idle: server CPU, {n} (open, subscribe, 2 events)"),
             results[0].cpu,
             r.map(|r| r.cpu),
+            "s",
+        ));
+        rows.push(row(
+            format!("idle: bench client CPU, {n}"),
+            results[0].client_cpu,
+            r.map(|r| r.client_cpu),
             "s",
         ));
     }
@@ -1060,6 +1088,12 @@ fn push_fanout(rows: &mut Vec<Row>, what: &str, rate_unit: &'static str, results
         format!("{what}: server CPU"),
         results[0].cpu,
         r.map(|r| r.cpu),
+        "s",
+    ));
+    rows.push(row(
+        format!("{what}: bench client CPU"),
+        results[0].client_cpu,
+        r.map(|r| r.client_cpu),
         "s",
     ));
 }
