@@ -35,7 +35,11 @@
 //!   server is not visible from outside, so this is NOT latency from emit:
 //!   for each delta, the time from its first receipt by any subscriber to
 //!   its receipt by each subscriber (the first one counts 0). It is the
-//!   fan-out's own delay, a lower bound of latency from emit.
+//!   fan-out's own delay, a lower bound of latency from emit. Tether's
+//!   runs also commit their persisted events (run, message and part
+//!   events); the reference's plays send only `run.started`, the deltas and
+//!   `run.completed`. "X of Y" counts a delta as expected on every socket
+//!   once any subscriber received it (deltas are not persisted).
 //! - **catch-up**: one conversation with M persisted events (M/2 messages,
 //!   `--role api`, sent 16 at a time); one new WebSocket, and the time from
 //!   sending `subscribe` with `after: "0000000000000000"` until the M-th
@@ -56,7 +60,8 @@
 //! `TETHER_BENCH_EVENTS_PER_SEC` = 100, `TETHER_BENCH_SECS` = 20 [5]
 //! (per fan-out workload), `TETHER_BENCH_STREAM_DELAY_MS` = 10,
 //! `TETHER_BENCH_CATCHUP` = 10000 [2000].
-//! The bench and both servers run on the same machine, sharing its cores.
+//! The bench and the server under test share the machine's cores; the two
+//! servers run one after the other, each started fresh for each workload.
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
