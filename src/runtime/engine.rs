@@ -436,8 +436,16 @@ impl Steps<'_> {
         if let Some(stop) = self.control.reason() {
             return self.stop(stop, &attempt, step).await;
         }
-        // A consent that ran out while the batch ran ends the run.
-        if let Some(request) = interactions::consent_expired(store, self.run.id).await? {
+        // A consent that ran out while the batch ran ends the run (only a
+        // call of a tool with a connection can have waited for one).
+        let consented = calls.iter().any(|call| {
+            self.tools
+                .get(&call.name)
+                .is_some_and(|tool| tool.connection.is_some())
+        });
+        if consented
+            && let Some(request) = interactions::consent_expired(store, self.run.id).await?
+        {
             let message = interactions::consent_expired_message(&request, None);
             let ending = failed(
                 EndCause::ConsentExpired,

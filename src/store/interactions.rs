@@ -428,12 +428,7 @@ pub async fn complete(
         }
         Completion::Declined(error) => Consented::Declined { error },
     };
-    let mut active: interaction::ActiveModel = row.into();
-    active.status = Set(InteractionStatus::Resolved.as_str().to_owned());
-    active.resolution = Set(Some(to_json(&recorded)?));
-    active.resolved_by = Set(Some(actor.principal.clone()));
-    active.resolved_at = Set(Some(now_millis()));
-    active.update(&*tx).await?;
+    mark_resolved(&tx, row, to_json(&recorded)?, actor, now_millis()).await?;
     let mut events = vec![interaction_event(
         EventKind::ConnectionCompleted,
         run_row.id,
@@ -846,12 +841,7 @@ pub async fn resolve(
         InteractionKind::Approval => Some(approval_of(&row)?.tool_name),
         _ => None,
     };
-    let mut active: interaction::ActiveModel = row.into();
-    active.status = Set(InteractionStatus::Resolved.as_str().to_owned());
-    active.resolution = Set(Some(recorded));
-    active.resolved_by = Set(Some(actor.principal.clone()));
-    active.resolved_at = Set(Some(now));
-    active.update(&*tx).await?;
+    mark_resolved(&tx, row, recorded, actor, now).await?;
     let scope = match decision {
         Some(ApprovalDecision::AllowConversation) => {
             Some(("CONVERSATION", Some(conversation_id), None))
@@ -884,6 +874,23 @@ pub async fn resolve(
     tx.append(&conversation, events).await?;
     store.commit(tx).await?;
     Ok((run_row, true))
+}
+
+/// Records who resolved an interaction, how and when.
+async fn mark_resolved(
+    tx: &WriteTx,
+    row: interaction::Model,
+    resolution: Value,
+    actor: &Actor,
+    at: i64,
+) -> Result<()> {
+    let mut active: interaction::ActiveModel = row.into();
+    active.status = Set(InteractionStatus::Resolved.as_str().to_owned());
+    active.resolution = Set(Some(resolution));
+    active.resolved_by = Set(Some(actor.principal.clone()));
+    active.resolved_at = Set(Some(at));
+    active.update(&**tx).await?;
+    Ok(())
 }
 
 /// The transaction that resolves an interaction: its conversation locked,

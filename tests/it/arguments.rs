@@ -4,7 +4,7 @@
 
 use serde_json::{Value, json};
 
-use crate::support::{BASE_CONFIG, Server, ServerOptions};
+use crate::support::{Server, ServerOptions, base_config_with_api};
 
 /// Ids of a list of objects.
 fn ids(list: &Value) -> Vec<String> {
@@ -20,7 +20,7 @@ async fn explicit_null_means_the_default() {
     // Complexity 1600: `events(first: 500) { events { cursor } hasMore }`
     // counts 1501, so one page of the default size fits and two do not.
     let server = Server::start_with(ServerOptions {
-        config: BASE_CONFIG.replacen("[api]\n", "[api]\nmax_query_complexity = 1600\n", 1),
+        config: base_config_with_api("max_query_complexity = 1600"),
         ..Default::default()
     })
     .await;

@@ -73,6 +73,33 @@ async fn start(downstream: &Downstream, auth: &AuthServer, env: &[(&str, &str)])
     .await
 }
 
+/// A downstream service, the authorization server, a Tether with
+/// workers using both, ada's token and a conversation of hers.
+struct Rig {
+    downstream: Downstream,
+    auth: AuthServer,
+    server: Server,
+    token: String,
+    conversation: String,
+}
+
+impl Rig {
+    async fn start() -> Rig {
+        let downstream = Downstream::start().await;
+        let auth = AuthServer::start().await;
+        let server = start(&downstream, &auth, &[]).await;
+        let token = server.token("acme", "ada");
+        let conversation = server.create_conversation(&token).await;
+        Rig {
+            downstream,
+            auth,
+            server,
+            token,
+            conversation,
+        }
+    }
+}
+
 /// Sends `text`, waits for the run to wait for a connection, and returns
 /// the run and its pending connection.
 async fn paused(server: &Server, token: &str, conversation: &str, text: &str) -> (String, Value) {
@@ -128,11 +155,13 @@ fn bearer_of(downstream: &Downstream) -> Vec<String> {
 
 #[tokio::test]
 async fn a_missing_connection_pauses_for_consent_and_the_tool_gets_the_token() {
-    let downstream = Downstream::start().await;
-    let auth = AuthServer::start().await;
-    let mut server = start(&downstream, &auth, &[]).await;
-    let token = server.token("acme", "ada");
-    let conversation = server.create_conversation(&token).await;
+    let Rig {
+        downstream,
+        auth,
+        mut server,
+        token,
+        conversation,
+    } = Rig::start().await;
     let (run, pending) = paused(
         &server,
         &token,
@@ -257,11 +286,13 @@ async fn a_missing_connection_pauses_for_consent_and_the_tool_gets_the_token() {
 
 #[tokio::test]
 async fn each_gap_pauses_with_its_name_and_an_expired_token_is_refreshed_once() {
-    let downstream = Downstream::start().await;
-    let auth = AuthServer::start().await;
-    let server = start(&downstream, &auth, &[]).await;
-    let token = server.token("acme", "ada");
-    let conversation = server.create_conversation(&token).await;
+    let Rig {
+        downstream,
+        auth,
+        server,
+        token,
+        conversation,
+    } = Rig::start().await;
     let (run, pending) = paused(
         &server,
         &token,
@@ -351,11 +382,13 @@ async fn each_gap_pauses_with_its_name_and_an_expired_token_is_refreshed_once() 
 
 #[tokio::test]
 async fn a_token_provider_sends_its_token_or_fails_the_call_naming_the_variable() {
-    let downstream = Downstream::start().await;
-    let auth = AuthServer::start().await;
-    let server = start(&downstream, &auth, &[]).await;
-    let token = server.token("acme", "ada");
-    let conversation = server.create_conversation(&token).await;
+    let Rig {
+        downstream,
+        auth,
+        server,
+        token,
+        conversation,
+    } = Rig::start().await;
     let (_, run) = server
         .send(&token, &conversation, "/tool acme_lookup {\"text\": \"x\"}")
         .await;
@@ -391,11 +424,13 @@ async fn a_token_provider_sends_its_token_or_fails_the_call_naming_the_variable(
 
 #[tokio::test]
 async fn a_replayed_completion_resumes_once_and_strangers_get_one_not_found() {
-    let downstream = Downstream::start().await;
-    let auth = AuthServer::start().await;
-    let server = start(&downstream, &auth, &[]).await;
-    let token = server.token("acme", "ada");
-    let conversation = server.create_conversation(&token).await;
+    let Rig {
+        downstream,
+        auth,
+        server,
+        token,
+        conversation,
+    } = Rig::start().await;
     let (run, pending) = paused(
         &server,
         &token,
@@ -496,11 +531,13 @@ async fn a_replayed_completion_resumes_once_and_strangers_get_one_not_found() {
 
 #[tokio::test]
 async fn declined_consent_fails_the_call_once_and_the_run_goes_on() {
-    let downstream = Downstream::start().await;
-    let auth = AuthServer::start().await;
-    let server = start(&downstream, &auth, &[]).await;
-    let token = server.token("acme", "ada");
-    let conversation = server.create_conversation(&token).await;
+    let Rig {
+        downstream,
+        auth,
+        server,
+        token,
+        conversation,
+    } = Rig::start().await;
     let (run, pending) = paused(
         &server,
         &token,
@@ -529,11 +566,13 @@ async fn declined_consent_fails_the_call_once_and_the_run_goes_on() {
 
 #[tokio::test]
 async fn a_pending_consent_survives_a_restart_and_a_disconnect_asks_again() {
-    let downstream = Downstream::start().await;
-    let auth = AuthServer::start().await;
-    let mut server = start(&downstream, &auth, &[]).await;
-    let token = server.token("acme", "ada");
-    let conversation = server.create_conversation(&token).await;
+    let Rig {
+        downstream: _downstream,
+        auth,
+        mut server,
+        token,
+        conversation,
+    } = Rig::start().await;
     let (run, pending) = paused(
         &server,
         &token,
@@ -577,11 +616,13 @@ async fn a_pending_consent_survives_a_restart_and_a_disconnect_asks_again() {
 
 #[tokio::test]
 async fn a_sealed_token_copied_into_another_tenants_row_does_not_open() {
-    let downstream = Downstream::start().await;
-    let auth = AuthServer::start().await;
-    let server = start(&downstream, &auth, &[]).await;
-    let ada = server.token("acme", "ada");
-    let conversation = server.create_conversation(&ada).await;
+    let Rig {
+        downstream,
+        auth,
+        server,
+        token: ada,
+        conversation,
+    } = Rig::start().await;
     let (run, pending) = paused(
         &server,
         &ada,

@@ -9,13 +9,15 @@ use serde_json::json;
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::http::HeaderValue;
 
-use crate::support::{BASE_CONFIG, PATIENCE, Server, ServerOptions, TestDb, tether_command};
+use crate::support::{
+    PATIENCE, Server, ServerOptions, TestDb, base_config_with_api, tether_command,
+};
 
 const ALLOWED: &str = "http://localhost:5173";
 
 async fn server_allowing(origins: &str) -> Server {
     Server::start_with(ServerOptions {
-        config: BASE_CONFIG.replacen("[api]\n", &format!("[api]\ncors_origins = {origins}\n"), 1),
+        config: base_config_with_api(&format!("cors_origins = {origins}")),
         ..Default::default()
     })
     .await
@@ -262,8 +264,7 @@ async fn a_wildcard_or_a_url_with_a_path_is_refused_at_start_up() {
             "no path",
         ),
     ] {
-        let config =
-            BASE_CONFIG.replacen("[api]\n", &format!("[api]\ncors_origins = {origins}\n"), 1);
+        let config = base_config_with_api(&format!("cors_origins = {origins}"));
         let db = TestDb::new().await;
         let output = tokio::time::timeout(
             PATIENCE,

@@ -8,11 +8,11 @@ use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use crate::support::{BASE_CONFIG, PATIENCE, Server, ServerOptions};
+use crate::support::{PATIENCE, Server, ServerOptions, base_config_with_api};
 
 async fn server_with(api_keys: &str) -> Server {
     Server::start_with(ServerOptions {
-        config: BASE_CONFIG.replace("[api]\n", &format!("[api]\n{api_keys}\n")),
+        config: base_config_with_api(api_keys),
         ..Default::default()
     })
     .await

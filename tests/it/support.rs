@@ -44,6 +44,11 @@ name = "other"
 provider = "scripted"
 "#;
 
+/// `BASE_CONFIG` with more `[api]` keys.
+pub fn base_config_with_api(keys: &str) -> String {
+    BASE_CONFIG.replacen("[api]\n", &format!("[api]\n{keys}\n"), 1)
+}
+
 /// A configuration with workers tuned for tests: fast streaming, frequent
 /// checkpoints, short leases.
 pub const WORKER_CONFIG: &str = r#"

@@ -8,13 +8,13 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 use tokio_tungstenite::tungstenite::Message as WsFrame;
 
-use crate::support::{BASE_CONFIG, Ending, PATIENCE, Server, ServerOptions, WsClient};
+use crate::support::{Ending, PATIENCE, Server, ServerOptions, WsClient, base_config_with_api};
 
 const PING: &str = r#"{"type":"ping"}"#;
 
 async fn server_with(api_keys: &str) -> Server {
     Server::start_with(ServerOptions {
-        config: BASE_CONFIG.replace("[api]\n", &format!("[api]\n{api_keys}\n")),
+        config: base_config_with_api(api_keys),
         ..Default::default()
     })
     .await
