@@ -63,8 +63,9 @@ stream_delay_ms = 40
 
 [agents.retry]
 max_attempts = 3
-initial_delay_ms = 2500
-max_delay_ms = 4000
+# A wait of 3 to 6 s: long enough to see the indicator on a loaded machine.
+initial_delay_ms = 6000
+max_delay_ms = 8000
 
 # A tool that needs a "github" connection; the OAuth mock plays GitHub.
 [[tools]]
