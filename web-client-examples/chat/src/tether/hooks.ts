@@ -187,7 +187,7 @@ export function useSendMessage(conversationId: string) {
       if (r.error || !r.data) return { ok: false, error: toTetherError(r.error!) };
       const store = tether.store(conversationId);
       store.receiveMessage(r.data.sendMessage.message);
-      store.receiveRun(r.data.sendMessage.run);
+      store.receiveWrittenRun(r.data.sendMessage.run);
       return { ok: true, data: { messageId: r.data.sendMessage.message.id, runId: r.data.sendMessage.run.id } };
     },
     [send, conversationId, tether],
@@ -204,7 +204,7 @@ export function useCancelRun(conversationId: string) {
       async (runId: string): Promise<Outcome<null>> => {
         const r = await cancel({ runId });
         if (r.error || !r.data) return { ok: false, error: toTetherError(r.error!) };
-        tether.store(conversationId).receiveRun(r.data.cancelRun);
+        tether.store(conversationId).receiveWrittenRun(r.data.cancelRun);
         return { ok: true, data: null };
       },
       [cancel, conversationId, tether],

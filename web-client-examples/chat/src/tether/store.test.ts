@@ -43,16 +43,42 @@ describe("ConversationStore: persisted events", () => {
   it("shows a retry from run.retry-pending and drops it when the run goes on", () => {
     const store = seeded();
     store.apply(runEvent(cur(1), "run.started", "RUNNING"));
-    const olderRead = store.beginRead("run:r1"); // the read run.started asked for, still in flight
     expect(store.apply(retryPending(cur(2), 1))).toEqual([{ kind: "run", id: "r1" }]);
-    const newerRead = store.beginRead("run:r1");
-    expect(store.isLatestRead("run:r1", olderRead)).toBe(false); // its RUNNING is never laid in
     expect(store.getSnapshot().activeRun?.retry).toMatchObject({ attempt: 1, maxAttempts: 3 });
-    expect(store.isLatestRead("run:r1", newerRead)).toBe(true);
     store.receiveRun({ ...run("r1", "RETRY_PENDING"), nextAttemptAt: "2026-01-01T00:01:00Z" });
     expect(store.getSnapshot().activeRun?.retry).toMatchObject({ attempt: 1 });
     store.apply(runEvent(cur(3), "run.started", "RUNNING"));
     expect(store.getSnapshot().activeRun?.retry).toBeNull();
+  });
+  it("keeps a retry when sendMessage's response arrives after the run already failed once", () => {
+    const store = seeded();
+    // The feed is faster than the mutation's HTTP response.
+    store.apply(runEvent(cur(1), "run.queued", "QUEUED"));
+    store.apply(runEvent(cur(2), "run.started", "RUNNING"));
+    store.apply(retryPending(cur(3), 1));
+    store.receiveWrittenRun(run("r1", "QUEUED"));
+    expect(store.getSnapshot().activeRun?.status).toBe("RETRY_PENDING");
+    expect(store.getSnapshot().activeRun?.retry).toMatchObject({ attempt: 1 });
+    // A cancel's response adds its request without setting the state back.
+    store.receiveWrittenRun({ ...run("r1", "RUNNING"), cancelRequested: true });
+    expect(store.getSnapshot().activeRun).toMatchObject({ status: "RETRY_PENDING", cancelRequested: true });
+  });
+
+  it("lays in a written run that no event has touched yet", () => {
+    const store = seeded();
+    store.receiveWrittenRun(run("r2", "QUEUED"));
+    expect(store.getSnapshot().activeRun).toMatchObject({ id: "r2", status: "QUEUED" });
+  });
+
+  it("does not let a reload's older snapshot set a run back", () => {
+    const store = seeded();
+    store.apply(runEvent(cur(1), "run.started", "RUNNING"));
+    store.apply(retryPending(cur(2), 1));
+    // The snapshot was read before run.retry-pending committed.
+    store.seed({ lastCursor: cur(1), messages: [], runs: [run("r1", "RUNNING")] });
+    expect(store.getSnapshot().activeRun?.status).toBe("RETRY_PENDING");
+    store.seed({ lastCursor: cur(2), messages: [], runs: [{ ...run("r1", "RETRY_PENDING"), nextAttemptAt: "2026-01-01T00:01:00Z" }] });
+    expect(store.getSnapshot().activeRun?.retry).toMatchObject({ attempt: 1 });
   });
 });
 
@@ -149,13 +175,5 @@ describe("ConversationStore: pending interactions", () => {
     store.apply(interaction(cur(2), "approval.decided", "a1"));
     store.receiveApprovals("r1", [approval("a1")]); // a stale read answers late
     expect(store.getSnapshot().approvals).toEqual([]);
-  });
-
-  it("only the newest read of a key is laid in", () => {
-    const store = seeded();
-    const a = store.beginRead("part:p1");
-    const b = store.beginRead("part:p1");
-    expect(store.isLatestRead("part:p1", a)).toBe(false);
-    expect(store.isLatestRead("part:p1", b)).toBe(true);
   });
 });

@@ -123,7 +123,8 @@ export class ConversationStore {
   private approvals = new Map<string, PendingApproval>();
   private connections = new Map<string, PendingConnection>();
   private resolved = new Set<string>();
-  private fetchSeq = new Map<string, number>();
+  /** The cursor of the newest event applied to each run. */
+  private runCursors = new Map<string, string>();
   private listeners = new Set<() => void>();
   private snapshot: ConversationView;
 
@@ -163,7 +164,10 @@ export class ConversationStore {
     const rest = this.order.filter((id) => !serverOrder.includes(id));
     this.order = [...serverOrder, ...rest];
     for (const run of conversation.runs) {
-      this.upsertRun(run);
+      // A snapshot older than an event already applied to the run (a reload
+      // while the feed is live) does not set its state back.
+      const applied = this.runCursors.get(run.id);
+      if (applied === undefined || applied <= conversation.lastCursor) this.upsertRun(run);
       if (run.status.startsWith("WAITING_")) {
         effects.push({ kind: "question", runId: run.id });
         effects.push({ kind: "approvals", runId: run.id });
@@ -196,6 +200,7 @@ export class ConversationStore {
 
   private applyPersisted(event: TransportEvent): Effect[] {
     const runId = event.runId ?? null;
+    if (runId) this.runCursors.set(runId, event.cursor);
     switch (event.__typename) {
       case "RunEvent": {
         if (!runId) return [];
@@ -220,8 +225,8 @@ export class ConversationStore {
             error: event.error,
           },
         });
-        // A read issued now supersedes any older one still in flight (which
-        // could say RUNNING): only the newest read of a run is laid in.
+        // A read asked for now is made after any still in flight (which
+        // could say RUNNING), and only its answer is laid in (effects.ts).
         return [{ kind: "run", id: runId }];
       }
       case "MessageEvent": {
@@ -321,17 +326,6 @@ export class ConversationStore {
 
   // ---- Results of reads ---------------------------------------------------
 
-  /** Numbers a read, so that only the newest read of a key is laid in. */
-  beginRead(key: string): number {
-    const seq = (this.fetchSeq.get(key) ?? 0) + 1;
-    this.fetchSeq.set(key, seq);
-    return seq;
-  }
-
-  isLatestRead(key: string, seq: number): boolean {
-    return this.fetchSeq.get(key) === seq;
-  }
-
   receiveMessage(message: MessageFieldsFragment): void {
     if (!this.order.includes(message.id)) this.order.push(message.id);
     this.upsertMessage(message);
@@ -345,6 +339,23 @@ export class ConversationStore {
 
   receiveRun(run: RunFieldsFragment): void {
     this.upsertRun(run);
+    this.changed();
+  }
+
+  /**
+   * The run a mutation returned (`sendMessage`, `cancelRun`): its state as of
+   * that write. The feed can deliver the run's later events before the
+   * mutation's response arrives (a run that fails at once is already
+   * RETRY_PENDING), so once an event of the run is applied, the write sets
+   * only what it adds (a cancel request), never the state back.
+   */
+  receiveWrittenRun(run: RunFieldsFragment): void {
+    const known = this.runs.get(run.id);
+    if (known && this.runCursors.has(run.id)) {
+      this.putRun({ ...known, cancelRequested: known.cancelRequested || run.cancelRequested });
+    } else {
+      this.upsertRun(run);
+    }
     this.changed();
   }
 
