@@ -5,6 +5,7 @@ pub mod context;
 pub mod cost;
 pub mod error;
 pub mod events;
+mod fanout;
 pub mod feed;
 mod http;
 pub mod listener;
@@ -40,6 +41,7 @@ pub struct AppState {
     pub services: Services,
     pub auth: Arc<Authenticator>,
     pub limits: Arc<ApiConfig>,
+    pub fanout: Arc<fanout::Fanout>,
 }
 
 pub fn schema(services: Services) -> TetherSchema {
@@ -88,6 +90,7 @@ pub fn router(services: Services, auth: Authenticator) -> Router {
         limits: Arc::new(services.config.api.clone()),
         services,
         auth: Arc::new(auth),
+        fanout: Arc::default(),
     };
     let router = Router::new()
         .route("/graphql", get(http::graphql_get).post(http::graphql_post))

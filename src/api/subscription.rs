@@ -1,6 +1,9 @@
+use std::sync::{Arc, Mutex, PoisonError};
+
 use async_graphql::{Context, ID, Subscription};
 use futures_util::{Stream, StreamExt};
-use tokio::sync::OwnedSemaphorePermit;
+use tokio::sync::{OwnedSemaphorePermit, mpsc};
+use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use super::context::{services, viewer};
 use super::error::{ApiError, ApiResult};
@@ -13,6 +16,51 @@ use crate::store::reads;
 pub struct Subscription;
 
 type EventStream = std::pin::Pin<Box<dyn Stream<Item = ApiResult<TransportEvent>> + Send>>;
+
+/// In a request's data, asks the resolvers to check the subscription and
+/// hand its feed and permit back here instead of following the feed
+/// (`api::fanout` follows it and renders what it yields).
+#[derive(Clone, Default)]
+pub struct Admission(Arc<Mutex<Option<(FeedRequest, OwnedSemaphorePermit)>>>);
+
+impl Admission {
+    /// The admitted feed; `None` when the request was refused.
+    pub fn take(&self) -> Option<(FeedRequest, OwnedSemaphorePermit)> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner).take()
+    }
+}
+
+/// In a request's data, makes the resolvers yield the events sent in here,
+/// unchecked: `api::fanout` renders events for subscribers it admitted.
+pub struct RenderFeed(Mutex<Option<mpsc::UnboundedReceiver<ApiResult<TransportEvent>>>>);
+
+impl RenderFeed {
+    pub fn new(events: mpsc::UnboundedReceiver<ApiResult<TransportEvent>>) -> RenderFeed {
+        RenderFeed(Mutex::new(Some(events)))
+    }
+}
+
+/// The events to render, when the request is a rendering.
+fn rendering(ctx: &Context<'_>) -> Option<EventStream> {
+    let feed = ctx.data_opt::<RenderFeed>()?;
+    let events = feed
+        .0
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .take()?;
+    Some(UnboundedReceiverStream::new(events).boxed())
+}
+
+/// The admitted feed: followed here, or handed to the fan-out.
+fn serve(ctx: &Context<'_>, request: FeedRequest, permit: OwnedSemaphorePermit) -> EventStream {
+    match ctx.data_opt::<Admission>() {
+        Some(admission) => {
+            *admission.0.lock().unwrap_or_else(PoisonError::into_inner) = Some((request, permit));
+            futures_util::stream::empty().boxed()
+        }
+        None => to_transport(follow(services(ctx).store.clone(), request), permit),
+    }
+}
 
 /// The subscription's permit (`api.max_subscriptions`), held for as long as
 /// it is served.
@@ -53,6 +101,9 @@ impl Subscription {
         conversation_id: ID,
         after: Option<String>,
     ) -> Result<EventStream, ApiError> {
+        if let Some(events) = rendering(ctx) {
+            return Ok(events);
+        }
         let after = after.as_deref().map(parse_cursor).transpose()?;
         let tenant = viewer(ctx)?.tenant.clone();
         let store = services(ctx).store.clone();
@@ -67,7 +118,7 @@ impl Subscription {
             after,
             run_id: None,
         };
-        Ok(to_transport(follow(store, request), permit))
+        Ok(serve(ctx, request, permit))
     }
 
     /// One run's events; completes after the run's final event.
@@ -77,6 +128,9 @@ impl Subscription {
         run_id: ID,
         after: Option<String>,
     ) -> Result<EventStream, ApiError> {
+        if let Some(events) = rendering(ctx) {
+            return Ok(events);
+        }
         let after = after.as_deref().map(parse_cursor).transpose()?;
         let tenant = viewer(ctx)?.tenant.clone();
         let store = services(ctx).store.clone();
@@ -91,6 +145,6 @@ impl Subscription {
             after,
             run_id: Some(run_id),
         };
-        Ok(to_transport(follow(store, request), permit))
+        Ok(serve(ctx, request, permit))
     }
 }

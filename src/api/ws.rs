@@ -2,21 +2,27 @@
 //! `graphql-ws`). async-graphql speaks the protocol; this loop adds what it
 //! lacks: authentication closing with 4403 (also when the token expires on an
 //! open connection), a `connection_init` timeout, and server keepalive pings.
+//! Subscriptions to the event feeds are served by `api::fanout` beside the
+//! protocol engine, which shares their rendering between subscribers.
 
 use std::collections::HashSet;
+use std::pin::Pin;
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_graphql::Data;
 use async_graphql::http::{WebSocket as GraphqlSocket, WebSocketProtocols, WsMessage};
 use axum::extract::ws::{CloseFrame, Message, WebSocket};
-use futures_util::stream::SplitSink;
+use futures_util::stream::{SplitSink, Stream};
 use futures_util::{SinkExt, StreamExt};
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::{Instant, sleep, timeout};
+use tokio_stream::StreamMap;
 use tokio_stream::wrappers::ReceiverStream;
 
 use super::AppState;
 use super::auth::Viewer;
+use super::fanout::{self, Frame, Plan};
 
 /// Client frames buffered towards the protocol engine.
 const INBOUND_BUFFER: usize = 16;
@@ -61,6 +67,11 @@ pub async fn serve(socket: WebSocket, protocol: WebSocketProtocols, app: AppStat
     let mut operations = Operations::new(limits.ws_max_operations);
     let mut authenticated = false;
     let mut auth_pending = true;
+    // The viewer's data for the operations served beside the engine, from
+    // the moment the engine acknowledges the connection.
+    let mut viewer: Option<Viewer> = None;
+    let mut session: Option<Arc<Data>> = None;
+    let mut served: StreamMap<String, Pin<Box<dyn Stream<Item = Frame> + Send>>> = StreamMap::new();
 
     let close: Option<(u16, String)> = loop {
         tokio::select! {
@@ -77,11 +88,31 @@ pub async fn serve(socket: WebSocket, protocol: WebSocketProtocols, app: AppStat
                             Err(_) => break Some((1007, "frames must be UTF-8 JSON".to_owned())),
                         },
                     };
-                    if let Some(refusal) = operations.admit(protocol, &text) {
-                        if !send(&mut sink, Message::Text(refusal.into()), send_timeout).await {
-                            break None;
+                    let routed = match operations.admit(protocol, &text, session.is_some(), &served) {
+                        Route::Engine => inbound.try_send(text).is_ok(),
+                        Route::Reply(reply) => send(&mut sink, Message::Text(reply.into()), send_timeout).await,
+                        Route::Serve(id, plan) => {
+                            let Some(session) = &session else { unreachable!("served only once acknowledged") };
+                            let operation = fanout::operation(
+                                app.fanout.clone(),
+                                app.schema.clone(),
+                                app.services.store.clone(),
+                                session.clone(),
+                                protocol == WebSocketProtocols::SubscriptionsTransportWS,
+                                &id,
+                                *plan,
+                            );
+                            served.insert(id, operation);
+                            true
                         }
-                    } else if inbound.try_send(text).is_err() {
+                        Route::Stop(id) => {
+                            served.remove(&id);
+                            // As the engine answers a stop.
+                            let complete = serde_json::json!({ "type": "complete", "id": id }).to_string();
+                            send(&mut sink, Message::Text(complete.into()), send_timeout).await
+                        }
+                    };
+                    if !routed {
                         break None;
                     }
                 }
@@ -89,9 +120,29 @@ pub async fn serve(socket: WebSocket, protocol: WebSocketProtocols, app: AppStat
                 Some(Err(err)) => break too_large(err, limits.max_request_bytes),
                 Some(Ok(Message::Close(_))) | None => break None,
             },
+            Some((id, frame)) = served.next(), if !served.is_empty() => {
+                let text = match frame {
+                    Frame::Next(text) => text,
+                    Frame::Last(text) => {
+                        operations.active.remove(&id);
+                        served.remove(&id);
+                        text
+                    }
+                };
+                if !send(&mut sink, Message::Text(text.into()), send_timeout).await {
+                    break None;
+                }
+            },
             outgoing = engine.next() => match outgoing {
                 Some(WsMessage::Text(text)) => {
                     operations.ended(&text);
+                    if text.starts_with(r#"{"type":"connection_ack""#)
+                        && let Some(viewer) = viewer.take()
+                    {
+                        let mut data = Data::default();
+                        data.insert(viewer);
+                        session = Some(Arc::new(data));
+                    }
                     if !send(&mut sink, Message::Text(text.into()), send_timeout).await {
                         break None;
                     }
@@ -104,9 +155,10 @@ pub async fn serve(socket: WebSocket, protocol: WebSocketProtocols, app: AppStat
             result = &mut auth_rx, if auth_pending => {
                 auth_pending = false;
                 match result {
-                    Ok(Some(viewer)) => {
+                    Ok(Some(accepted)) => {
                         authenticated = true;
-                        expiry.as_mut().reset(deadline_after(viewer.expires_in()));
+                        expiry.as_mut().reset(deadline_after(accepted.expires_in()));
+                        viewer = Some(accepted);
                     }
                     _ => break Some(forbidden("forbidden")),
                 }
@@ -161,6 +213,18 @@ fn too_large(err: axum::Error, limit: usize) -> Option<(u16, String)> {
     }
 }
 
+/// Where a client frame goes.
+enum Route {
+    /// To async-graphql's protocol engine, as it is.
+    Engine,
+    /// Nowhere: this is the answer.
+    Reply(String),
+    /// A subscription served beside the engine (`api::fanout`).
+    Serve(String, Box<Plan>),
+    /// The end of a subscription served beside the engine.
+    Stop(String),
+}
+
 /// The operations running on one socket, capped: each holds a subscription
 /// and its buffer.
 struct Operations {
@@ -176,42 +240,72 @@ impl Operations {
         }
     }
 
-    /// Notes a client frame; returns the refusal to send instead of passing
-    /// it on when it starts an operation over the cap.
-    fn admit(&mut self, protocol: WebSocketProtocols, text: &str) -> Option<String> {
-        let frame: serde_json::Value = serde_json::from_str(text).ok()?;
-        let id = frame["id"].as_str()?.to_owned();
-        match frame["type"].as_str()? {
-            "subscribe" | "start" if !self.active.contains(&id) => {
-                if self.active.len() >= self.limit {
-                    let error = serde_json::json!({
-                        "message": format!("too many operations on this connection (at most {})", self.limit),
-                        "extensions": { "code": "BAD_USER_INPUT" },
-                    });
-                    let payload = match protocol {
-                        WebSocketProtocols::GraphQLWS => serde_json::json!([error]),
-                        WebSocketProtocols::SubscriptionsTransportWS => error,
-                    };
-                    return Some(
-                        serde_json::json!({ "id": id, "type": "error", "payload": payload })
-                            .to_string(),
-                    );
+    /// Notes a client frame and says where it goes. An operation over the
+    /// cap is refused; a subscription to an event feed is served beside the
+    /// engine once the connection is acknowledged (`can_serve`), unless the
+    /// engine already runs an operation of that id (it replaces it).
+    fn admit<S>(
+        &mut self,
+        protocol: WebSocketProtocols,
+        text: &str,
+        can_serve: bool,
+        served: &StreamMap<String, S>,
+    ) -> Route {
+        let Ok(frame) = serde_json::from_str::<serde_json::Value>(text) else {
+            return Route::Engine;
+        };
+        let Some(id) = frame["id"].as_str() else {
+            return Route::Engine;
+        };
+        let id = id.to_owned();
+        match frame["type"].as_str() {
+            Some("subscribe" | "start") => {
+                let known = self.active.contains(&id);
+                if !known && self.active.len() >= self.limit {
+                    return Route::Reply(self.refusal(protocol, &id));
                 }
-                self.active.insert(id);
+                let in_engine = known && !served.contains_key(&id);
+                let plan = match (can_serve && !in_engine, frame.get("payload")) {
+                    (true, Some(payload)) => fanout::plan(payload),
+                    _ => None,
+                };
+                self.active.insert(id.clone());
+                match plan {
+                    Some(plan) => Route::Serve(id, Box::new(plan)),
+                    None => Route::Engine,
+                }
             }
-            "complete" | "stop" => {
+            Some("complete" | "stop") => {
                 self.active.remove(&id);
+                if served.contains_key(&id) {
+                    Route::Stop(id)
+                } else {
+                    Route::Engine
+                }
             }
-            _ => {}
+            _ => Route::Engine,
         }
-        None
     }
 
-    /// Notes a server frame that ends an operation.
+    fn refusal(&self, protocol: WebSocketProtocols, id: &str) -> String {
+        let error = serde_json::json!({
+            "message": format!("too many operations on this connection (at most {})", self.limit),
+            "extensions": { "code": "BAD_USER_INPUT" },
+        });
+        let payload = match protocol {
+            WebSocketProtocols::GraphQLWS => serde_json::json!([error]),
+            WebSocketProtocols::SubscriptionsTransportWS => error,
+        };
+        serde_json::json!({ "id": id, "type": "error", "payload": payload }).to_string()
+    }
+
+    /// Notes a frame of the engine's that ends an operation. The engine
+    /// writes `type` first, so only frames that may end one are parsed.
     fn ended(&mut self, text: &str) {
-        if !self.active.is_empty()
+        let ends =
+            text.starts_with(r#"{"type":"complete""#) || text.starts_with(r#"{"type":"error""#);
+        if ends
             && let Ok(frame) = serde_json::from_str::<serde_json::Value>(text)
-            && matches!(frame["type"].as_str(), Some("complete" | "error"))
             && let Some(id) = frame["id"].as_str()
         {
             self.active.remove(id);

@@ -549,3 +549,96 @@ async fn answer_to(client: &mut WsClient, id: &str) -> Value {
         }
     }
 }
+
+/// Subscribers that send one document share its rendering, and nothing
+/// else: each gets its own feed from its own cursor, the same bytes for the
+/// same event; another tenant's subscriber with the very same document is
+/// refused; another document gets its own shape.
+#[tokio::test]
+async fn subscribers_sharing_a_document_each_get_their_own_feed() {
+    let server = Server::start().await;
+    let token = server.token("acme", "ada");
+    let conversation = server.create_conversation(&token).await;
+    server.send(&token, &conversation, "one").await; // cursors 1 and 2
+    let from = |cursor: &str| json!({ "c": conversation, "a": cursor });
+
+    let mut early = WsClient::connect(&server, &token).await;
+    early
+        .subscribe("e", CONVERSATION_EVENTS, from("0000000000000000"))
+        .await;
+    let mut late = WsClient::connect(&server, &token).await;
+    late.subscribe("l", CONVERSATION_EVENTS, from("0000000000000002"))
+        .await;
+    let mut other = WsClient::connect(&server, &token).await;
+    other
+        .subscribe(
+            "o",
+            "subscription($c: ID!, $a: String) { feed: conversationEvents(conversationId: $c, after: $a) { type } }",
+            from("0000000000000002"),
+        )
+        .await;
+    let stranger_token = server.token("globex", "eve");
+    let mut stranger = WsClient::connect(&server, &stranger_token).await;
+    stranger
+        .subscribe("s", CONVERSATION_EVENTS, from("0000000000000000"))
+        .await;
+    let refusal = stranger.next_json().await.unwrap();
+    assert_eq!(refusal["type"], "next", "{refusal}");
+    assert_eq!(
+        refusal["payload"]["errors"][0]["extensions"]["code"],
+        "NOT_FOUND"
+    );
+    assert_eq!(
+        stranger.next_json().await.unwrap(),
+        json!({ "type": "complete", "id": "s" })
+    );
+
+    server.send(&token, &conversation, "two").await; // cursors 3 and 4
+    let early_seen = payloads(&mut early, "e", 4).await;
+    let late_seen = payloads(&mut late, "l", 2).await;
+    let cursors = |seen: &[Value]| -> Vec<String> {
+        seen.iter()
+            .map(|p| {
+                p["data"]["conversationEvents"]["cursor"]
+                    .as_str()
+                    .unwrap()
+                    .to_owned()
+            })
+            .collect()
+    };
+    assert_eq!(
+        cursors(&early_seen),
+        [
+            "0000000000000001",
+            "0000000000000002",
+            "0000000000000003",
+            "0000000000000004"
+        ]
+    );
+    assert_eq!(
+        cursors(&late_seen),
+        ["0000000000000003", "0000000000000004"]
+    );
+    assert_eq!(
+        &early_seen[2..],
+        &late_seen[..],
+        "the same event, the same payload"
+    );
+    let other_seen = payloads(&mut other, "o", 2).await;
+    assert_eq!(
+        other_seen,
+        [
+            json!({ "data": { "feed": { "type": "message.created" } } }),
+            json!({ "data": { "feed": { "type": "run.queued" } } }),
+        ]
+    );
+}
+
+/// The next `count` payloads of subscription `id`.
+async fn payloads(client: &mut WsClient, id: &str, count: usize) -> Vec<Value> {
+    let mut seen = Vec::new();
+    for _ in 0..count {
+        seen.push(client.next_event(id).await);
+    }
+    seen
+}
