@@ -260,6 +260,20 @@ impl Fanout {
         documents.live.insert(key, Arc::downgrade(&document));
         document
     }
+
+    /// How many documents are being served.
+    #[cfg(test)]
+    fn documents(&self) -> usize {
+        let documents = self
+            .documents
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        documents
+            .live
+            .values()
+            .filter(|d| d.strong_count() > 0)
+            .count()
+    }
 }
 
 /// One subscription document, rendered for every subscriber that sent it.
@@ -474,6 +488,98 @@ mod tests {
         assert!(!Arc::ptr_eq(&first, &a.render(&delta(c2, 0, "Hel")).await));
         let timed = with_at.render(&delta(c1, 0, "Hel")).await;
         assert!(timed.contains(r#""at":"#), "{timed}");
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// A real socket: connection_init, its ack, then `subscribe`.
+    async fn subscriber(
+        addr: std::net::SocketAddr,
+        token: &str,
+        query: &str,
+        variables: serde_json::Value,
+    ) -> tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>
+    {
+        use futures_util::SinkExt;
+        use tokio_tungstenite::tungstenite::Message;
+        use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+        let mut request = format!("ws://{addr}/graphql")
+            .into_client_request()
+            .unwrap();
+        request.headers_mut().insert(
+            "Sec-WebSocket-Protocol",
+            "graphql-transport-ws".parse().unwrap(),
+        );
+        let (mut socket, _) = tokio_tungstenite::connect_async(request).await.unwrap();
+        let init = json!({ "type": "connection_init", "payload": { "Authorization": format!("Bearer {token}") } });
+        socket.send(Message::text(init.to_string())).await.unwrap();
+        let ack = next_json(&mut socket).await;
+        assert_eq!(ack["type"], "connection_ack");
+        let subscribe = json!({ "id": "1", "type": "subscribe", "payload": { "query": query, "variables": variables } });
+        socket
+            .send(Message::text(subscribe.to_string()))
+            .await
+            .unwrap();
+        socket
+    }
+
+    async fn next_json(
+        socket: &mut tokio_tungstenite::WebSocketStream<
+            tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>,
+        >,
+    ) -> serde_json::Value {
+        loop {
+            let frame = tokio::time::timeout(std::time::Duration::from_secs(10), socket.next())
+                .await
+                .expect("a frame in time")
+                .expect("the socket is open")
+                .unwrap();
+            if let tokio_tungstenite::tungstenite::Message::Text(text) = frame {
+                return serde_json::from_str(&text).unwrap();
+            }
+        }
+    }
+
+    /// Through the server's own router: the event feeds' subscribers of one
+    /// document share it here, and a document served by the engine still
+    /// streams beside them.
+    #[tokio::test]
+    async fn a_sockets_event_feed_is_served_here() {
+        let (store, dir) = temp_store().await;
+        let config = Arc::new(FileConfig::from_toml("").unwrap());
+        let connections = Arc::new(Connections::new(&config, None));
+        let services = Services::new(store.clone(), config, connections);
+        let auth = crate::api::auth::Authenticator::new("fanout-test-secret-of-at-least-32-bytes")
+            .unwrap();
+        let token = auth
+            .mint("acme", "ada", std::time::Duration::from_secs(600))
+            .unwrap();
+        let state = crate::api::AppState::new(services, auth);
+        let fanout = state.fanout.clone();
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(axum::serve(listener, crate::api::routes(state)).into_future());
+        let conversation = crate::store::test_support::conversation(&store).await;
+
+        let query = "subscription($c: ID!, $a: String) { conversationEvents(conversationId: $c, after: $a) { cursor type } }";
+        let from = json!({ "c": conversation.id.to_string(), "a": "0000000000000000" });
+        let mut one = subscriber(addr, &token, query, from.clone()).await;
+        let mut two = subscriber(addr, &token, query, from.clone()).await;
+        let by_engine = "subscription($c: ID!, $a: String) { \
+            conversationEvents(conversationId: $c, after: $a) @include(if: true) { cursor type } }";
+        let mut three = subscriber(addr, &token, by_engine, from).await;
+        crate::store::test_support::send_hi(&store, conversation.id, 1).await;
+
+        let mut frames = Vec::new();
+        for socket in [&mut one, &mut two, &mut three] {
+            frames.push([next_json(socket).await, next_json(socket).await]);
+        }
+        assert_eq!(frames[0], frames[1], "the same frames from one document");
+        assert_eq!(frames[0], frames[2], "the engine frames them alike");
+        assert_eq!(
+            frames[0][1]["payload"]["data"]["conversationEvents"]["type"],
+            "run.queued"
+        );
+        assert_eq!(fanout.documents(), 1);
         std::fs::remove_dir_all(dir).unwrap();
     }
 

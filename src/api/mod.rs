@@ -84,14 +84,23 @@ pub fn health_router(services: Services) -> Router {
 }
 
 pub fn router(services: Services, auth: Authenticator) -> Router {
-    let cors = cors(&services.config.api);
-    let state = AppState {
-        schema: schema(services.clone()),
-        limits: Arc::new(services.config.api.clone()),
-        services,
-        auth: Arc::new(auth),
-        fanout: Arc::default(),
-    };
+    routes(AppState::new(services, auth))
+}
+
+impl AppState {
+    pub fn new(services: Services, auth: Authenticator) -> AppState {
+        AppState {
+            schema: schema(services.clone()),
+            limits: Arc::new(services.config.api.clone()),
+            services,
+            auth: Arc::new(auth),
+            fanout: Arc::default(),
+        }
+    }
+}
+
+fn routes(state: AppState) -> Router {
+    let cors = cors(&state.services.config.api);
     let router = Router::new()
         .route("/graphql", get(http::graphql_get).post(http::graphql_post))
         .route("/graphiql", get(http::graphiql))

@@ -69,7 +69,10 @@ pub async fn serve(socket: WebSocket, protocol: WebSocketProtocols, app: AppStat
     let mut auth_pending = true;
     // The viewer's data for the operations served beside the engine, from
     // the moment the engine acknowledges the connection.
+    // (The engine may acknowledge before or after this loop hears of the
+    // viewer.)
     let mut viewer: Option<Viewer> = None;
+    let mut acknowledged = false;
     let mut session: Option<Arc<Data>> = None;
     let mut served: StreamMap<String, Pin<Box<dyn Stream<Item = Frame> + Send>>> = StreamMap::new();
 
@@ -136,12 +139,9 @@ pub async fn serve(socket: WebSocket, protocol: WebSocketProtocols, app: AppStat
             outgoing = engine.next() => match outgoing {
                 Some(WsMessage::Text(text)) => {
                     operations.ended(&text);
-                    if text.starts_with(r#"{"type":"connection_ack""#)
-                        && let Some(viewer) = viewer.take()
-                    {
-                        let mut data = Data::default();
-                        data.insert(viewer);
-                        session = Some(Arc::new(data));
+                    if text.starts_with(r#"{"type":"connection_ack""#) {
+                        acknowledged = true;
+                        session = session.or_else(|| serving(acknowledged, &mut viewer));
                     }
                     if !send(&mut sink, Message::Text(text.into()), send_timeout).await {
                         break None;
@@ -159,6 +159,7 @@ pub async fn serve(socket: WebSocket, protocol: WebSocketProtocols, app: AppStat
                         authenticated = true;
                         expiry.as_mut().reset(deadline_after(accepted.expires_in()));
                         viewer = Some(accepted);
+                        session = session.or_else(|| serving(acknowledged, &mut viewer));
                     }
                     _ => break Some(forbidden("forbidden")),
                 }
@@ -185,6 +186,17 @@ pub async fn serve(socket: WebSocket, protocol: WebSocketProtocols, app: AppStat
         };
         send(&mut sink, Message::Close(Some(frame)), send_timeout).await;
     }
+}
+
+/// The data of the operations served beside the engine, once the engine has
+/// acknowledged the connection and the viewer is known.
+fn serving(acknowledged: bool, viewer: &mut Option<Viewer>) -> Option<Arc<Data>> {
+    if !acknowledged {
+        return None;
+    }
+    let mut data = Data::default();
+    data.insert(viewer.take()?);
+    Some(Arc::new(data))
 }
 
 /// `now + after`, or thirty years on where that does not fit.
