@@ -167,10 +167,12 @@ pub fn operation(
     Box::pin(async_stream::stream! {
         let Plan { request, key, variables } = plan;
         let admission = Admission::default();
-        let refusals: Vec<Response> = schema
-            .execute_stream_with_session_data(request.data(admission.clone()), session)
-            .collect()
-            .await;
+        let refusals: Vec<Response> = Box::pin(
+            schema
+                .execute_stream_with_session_data(request.data(admission.clone()), session)
+                .collect(),
+        )
+        .await;
         let Some((feed, permit)) = admission.take() else {
             for refusal in &refusals {
                 yield Frame::Next(framing.next(&payload_of(refusal)));
@@ -182,9 +184,10 @@ pub fn operation(
         let mut events = std::pin::pin!(follow(store, feed));
         while let Some(item) = events.next().await {
             match item {
-                Ok(event) => yield Frame::Next(framing.next(&document.render(&event).await)),
+                // Boxed, like the feed's reads: not carried while idle.
+                Ok(event) => yield Frame::Next(framing.next(&Box::pin(document.render(&event)).await)),
                 Err(err) => {
-                    yield Frame::Next(framing.next(&document.render_error(err.into()).await));
+                    yield Frame::Next(framing.next(&Box::pin(document.render_error(err.into())).await));
                     break;
                 }
             }

@@ -58,6 +58,8 @@ pub struct FeedRequest {
     pub run_id: Option<Uuid>,
 }
 
+/// The reads are boxed: a feed waits on the bus most of its life, and should
+/// not carry the size of a query's future while it does.
 pub fn follow(store: Store, request: FeedRequest) -> impl Stream<Item = Result<Arc<Event>>> {
     follow_with(store, request, std::future::ready(()))
 }
@@ -79,7 +81,7 @@ fn follow_with(
         let mut last = match after {
             Some(cursor) => cursor,
             None => {
-                let row = reads::conversation(store.api_reads(), &tenant, conversation_id).await?;
+                let row = Box::pin(reads::conversation(store.api_reads(), &tenant, conversation_id)).await?;
                 Cursor(row.map_or(0, |c| c.event_seq))
             }
         };
@@ -87,7 +89,7 @@ fn follow_with(
         // A run that has ended has the rest of its story in the log after
         // `last` (nothing, when it ended before): read it, then stop.
         let catch_up_only = match run_id {
-            Some(id) => match reads::run(store.api_reads(), &tenant, id).await? {
+            Some(id) => match Box::pin(reads::run(store.api_reads(), &tenant, id)).await? {
                 Some(run) => reads::run_status(&run)?.is_ended(),
                 None => true,
             },
@@ -97,7 +99,7 @@ fn follow_with(
         let mut behind = after.is_some() || catch_up_only;
         loop {
             if behind {
-                let page = reads::events_after(store.api_reads(), &tenant, conversation_id, last, PAGE).await?;
+                let page = Box::pin(reads::events_after(store.api_reads(), &tenant, conversation_id, last, PAGE)).await?;
                 behind = page.len() as u64 == PAGE;
                 for event in page {
                     last = event.cursor;

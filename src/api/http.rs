@@ -16,8 +16,13 @@ use super::{AppState, ws};
 
 const GRAPHQL_RESPONSE: &str = "application/graphql-response+json";
 
-/// A WebSocket's read and write buffers (each grows for a larger frame).
-const WS_BUFFER_BYTES: usize = 8 * 1024;
+/// A WebSocket's read buffer, allocated up front (it grows for a larger
+/// frame; clients send small ones).
+const WS_READ_BUFFER_BYTES: usize = 1024;
+
+/// What a WebSocket's writes gather before they go to the socket. Only what
+/// is written is allocated: an idle socket holds none of it.
+const WS_WRITE_BUFFER_BYTES: usize = 16 * 1024;
 
 pub async fn graphql_post(State(app): State<AppState>, request: Request) -> Response {
     let (parts, body) = request.into_parts();
@@ -88,10 +93,10 @@ pub async fn graphql_get(State(app): State<AppState>, request: Request) -> Respo
             .protocols([protocol.sec_websocket_protocol()])
             .max_message_size(max_frame)
             .max_frame_size(max_frame)
-            // tungstenite reserves 128 KiB each way per socket by default;
-            // GraphQL frames are small, and every send is flushed.
-            .read_buffer_size(WS_BUFFER_BYTES)
-            .write_buffer_size(WS_BUFFER_BYTES)
+            // tungstenite reserves 128 KiB to read per socket by default,
+            // and gathers 128 KiB of writes before it sends them.
+            .read_buffer_size(WS_READ_BUFFER_BYTES)
+            .write_buffer_size(WS_WRITE_BUFFER_BYTES)
             .on_upgrade(move |socket| ws::serve(socket, protocol, app));
     }
     let viewer = match app.auth.verify_header(authorization(&parts.headers)).await {

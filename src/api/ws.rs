@@ -14,7 +14,7 @@ use async_graphql::Data;
 use async_graphql::http::{WebSocket as GraphqlSocket, WebSocketProtocols, WsMessage};
 use axum::extract::ws::{CloseFrame, Message, WebSocket};
 use futures_util::stream::{SplitSink, Stream};
-use futures_util::{SinkExt, StreamExt};
+use futures_util::{FutureExt, SinkExt, StreamExt};
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::{Instant, sleep, timeout};
 use tokio_stream::StreamMap;
@@ -26,6 +26,9 @@ use super::fanout::{self, Frame, Plan};
 
 /// Client frames buffered towards the protocol engine.
 const INBOUND_BUFFER: usize = 16;
+
+/// Frames of served operations written before one flush, at most.
+const BATCH_FRAMES: usize = 64;
 
 const CLOSE_FORBIDDEN: u16 = 4403;
 const CLOSE_INIT_TIMEOUT: u16 = 4408;
@@ -123,16 +126,31 @@ pub async fn serve(socket: WebSocket, protocol: WebSocketProtocols, app: AppStat
                 Some(Err(err)) => break too_large(err, limits.max_request_bytes),
                 Some(Ok(Message::Close(_))) | None => break None,
             },
-            Some((id, frame)) = served.next(), if !served.is_empty() => {
-                let text = match frame {
-                    Frame::Next(text) => text,
-                    Frame::Last(text) => {
-                        operations.active.remove(&id);
-                        served.remove(&id);
-                        text
+            Some(first) = served.next(), if !served.is_empty() => {
+                // The frames ready now go out in one write: a catch-up's
+                // thousands of events, or the two of one commit.
+                let mut ready = Some(first);
+                let mut batched = 0;
+                let mut sent = true;
+                while let Some((id, frame)) = ready.take() {
+                    let text = match frame {
+                        Frame::Next(text) => text,
+                        Frame::Last(text) => {
+                            operations.active.remove(&id);
+                            served.remove(&id);
+                            text
+                        }
+                    };
+                    sent = matches!(timeout(send_timeout, sink.feed(Message::Text(text.into()))).await, Ok(Ok(())));
+                    batched += 1;
+                    if !sent || batched == BATCH_FRAMES {
+                        break;
                     }
-                };
-                if !send(&mut sink, Message::Text(text.into()), send_timeout).await {
+                    // Whatever else is ready, without waiting: the next turn
+                    // of the loop polls `served` again with this task's waker.
+                    ready = served.next().now_or_never().flatten();
+                }
+                if !sent || !matches!(timeout(send_timeout, sink.flush()).await, Ok(Ok(()))) {
                     break None;
                 }
             },
