@@ -6,6 +6,9 @@ use tether::config::Config;
 use tether::server::{self, Role};
 use tracing_subscriber::EnvFilter;
 
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 #[derive(Parser)]
 #[command(name = "tether", version, about = "A durable agent-run server")]
 struct Cli {
