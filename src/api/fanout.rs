@@ -154,6 +154,10 @@ pub enum Frame {
 
 /// The frames of one served operation: the admission's refusal, or the
 /// feed's events rendered, then `complete` when the feed ends.
+///
+/// An operation waits for events most of its life, so what it keeps while it
+/// waits is small: the admission (the request, the schema's execution) is a
+/// boxed future gone once it answers, and the served feed is a plain struct.
 pub fn operation(
     fanout: Arc<Fanout>,
     schema: TetherSchema,
@@ -164,40 +168,100 @@ pub fn operation(
     plan: Plan,
 ) -> Pin<Box<dyn Stream<Item = Frame> + Send>> {
     let framing = Framing::new(id, legacy);
-    Box::pin(async_stream::stream! {
-        let Plan { request, key, variables } = plan;
-        let admission = Admission::default();
-        let refusals: Vec<Response> = Box::pin(
-            schema
-                .execute_stream_with_session_data(request.data(admission.clone()), session)
-                .collect(),
-        )
+    let admission = Box::pin(admit(fanout, schema, store, session, plan));
+    Box::pin(
+        futures_util::stream::once(admission)
+            .flat_map(move |admitted| frames(framing.clone(), admitted)),
+    )
+}
+
+/// What the admission gave: the refusal's responses, or the feed to serve.
+enum Admitted {
+    Refused(Vec<Response>),
+    Served(Served),
+}
+
+/// Runs the request through the schema, which checks it and hands the feed
+/// back (`Admission`).
+async fn admit(
+    fanout: Arc<Fanout>,
+    schema: TetherSchema,
+    store: Store,
+    session: Arc<Data>,
+    plan: Plan,
+) -> Admitted {
+    let Plan {
+        request,
+        key,
+        variables,
+    } = plan;
+    let admission = Admission::default();
+    let refusals: Vec<Response> = schema
+        .execute_stream_with_session_data(request.data(admission.clone()), session)
+        .collect()
         .await;
-        let Some((feed, permit)) = admission.take() else {
-            for refusal in &refusals {
-                yield Frame::Next(framing.next(&payload_of(refusal)));
-            }
-            yield Frame::Last(framing.complete());
-            return;
-        };
-        let document = fanout.document(key, variables, &schema);
-        let mut events = std::pin::pin!(follow(store, feed));
-        while let Some(item) = events.next().await {
-            match item {
-                // Boxed, like the feed's reads: not carried while idle.
-                Ok(event) => yield Frame::Next(framing.next(&Box::pin(document.render(&event)).await)),
-                Err(err) => {
-                    yield Frame::Next(framing.next(&Box::pin(document.render_error(err.into())).await));
-                    break;
-                }
-            }
+    match admission.take() {
+        Some((feed, permit)) => Admitted::Served(Served {
+            document: fanout.document(key, variables, &schema),
+            events: Box::pin(follow(store, feed)),
+            permit: Some(permit),
+            failed: false,
+        }),
+        None => Admitted::Refused(refusals),
+    }
+}
+
+/// A subscription being served: its feed, and the document that renders it.
+struct Served {
+    document: Arc<Document>,
+    events: BoxStream<'static, crate::store::Result<Arc<Event>>>,
+    /// Held for as long as the feed is served (`api.max_subscriptions`).
+    permit: Option<tokio::sync::OwnedSemaphorePermit>,
+    /// The feed ended with an error, already sent.
+    failed: bool,
+}
+
+fn frames(framing: Framing, admitted: Admitted) -> BoxStream<'static, Frame> {
+    match admitted {
+        Admitted::Refused(refusals) => {
+            let mut frames: Vec<Frame> = refusals
+                .iter()
+                .map(|refusal| Frame::Next(framing.next(&payload_of(refusal))))
+                .collect();
+            frames.push(Frame::Last(framing.complete()));
+            futures_util::stream::iter(frames).boxed()
         }
-        drop(permit);
-        yield Frame::Last(framing.complete());
-    })
+        Admitted::Served(served) => {
+            futures_util::stream::unfold(Some((framing, served)), |state| async move {
+                let (framing, mut served) = state?;
+                let item = if served.failed {
+                    None
+                } else {
+                    served.events.next().await
+                };
+                // Renderings are boxed, like the feed's reads: an idle
+                // operation does not carry their futures.
+                let payload = match item {
+                    Some(Ok(event)) => Box::pin(served.document.render(&event)).await,
+                    Some(Err(err)) => {
+                        served.failed = true;
+                        Box::pin(served.document.render_error(err.into())).await
+                    }
+                    None => {
+                        served.permit.take();
+                        return Some((Frame::Last(framing.complete()), None));
+                    }
+                };
+                let frame = Frame::Next(framing.next(&payload));
+                Some((frame, Some((framing, served))))
+            })
+            .boxed()
+        }
+    }
 }
 
 /// The protocol's frames around a payload, for one operation id.
+#[derive(Clone)]
 struct Framing {
     /// The id, as a JSON string.
     id: String,

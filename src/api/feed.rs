@@ -5,6 +5,7 @@
 use std::sync::Arc;
 
 use futures_util::Stream;
+use tokio::sync::broadcast;
 use tokio::sync::broadcast::error::RecvError;
 use uuid::Uuid;
 
@@ -58,30 +59,78 @@ pub struct FeedRequest {
     pub run_id: Option<Uuid>,
 }
 
-/// The reads are boxed: a feed waits on the bus most of its life, and should
-/// not carry the size of a query's future while it does.
 pub fn follow(store: Store, request: FeedRequest) -> impl Stream<Item = Result<Arc<Event>>> {
     follow_with(store, request, std::future::ready(()))
 }
 
 /// `follow`, with `between_reads` awaited between the read of the log's
 /// head and the read of the run's status (a test commits there).
+///
+/// A feed waits on the bus most of its life, so it is small while it waits:
+/// a plain struct stepped by `try_unfold`, its start and its reads of the log
+/// boxed rather than carried inline.
 fn follow_with(
     store: Store,
     request: FeedRequest,
-    between_reads: impl Future<Output = ()> + Send,
+    between_reads: impl Future<Output = ()> + Send + 'static,
 ) -> impl Stream<Item = Result<Arc<Event>>> {
-    async_stream::try_stream! {
-        let FeedRequest { tenant, conversation_id, after, run_id } = request;
-        let mut live = store.bus().subscribe(conversation_id);
+    let mut start = Some(Box::pin(Feed::start(store, request, between_reads)));
+    // Boxed: `try_unfold` holds the state twice, in its slot and in the
+    // step's future.
+    futures_util::stream::try_unfold(None, move |feed: Option<Box<Feed>>| {
+        let start = start.take();
+        async move {
+            let mut feed = match (feed, start) {
+                (Some(feed), _) => feed,
+                (None, Some(start)) => Box::new(start.await?),
+                (None, None) => return Ok(None),
+            };
+            Ok(feed.next().await?.map(|event| (event, Some(feed))))
+        }
+    })
+}
+
+/// One subscriber's place in a conversation's events.
+struct Feed {
+    store: Store,
+    tenant: String,
+    conversation_id: Uuid,
+    /// Only this run's events, ending after its final one.
+    run_id: Option<Uuid>,
+    live: broadcast::Receiver<Signal>,
+    /// The newest persisted event passed (sent, or skipped as not wanted).
+    last: Cursor,
+    /// The log holds events after `last` that the bus may not have sent.
+    behind: bool,
+    /// The run had ended at the start: the log has the rest of its story.
+    catch_up_only: bool,
+    /// Events read from the log, not yet passed.
+    page: std::vec::IntoIter<Event>,
+    /// The run's final event was sent.
+    ended: bool,
+}
+
+impl Feed {
+    async fn start(
+        store: Store,
+        request: FeedRequest,
+        between_reads: impl Future<Output = ()>,
+    ) -> Result<Feed> {
+        let FeedRequest {
+            tenant,
+            conversation_id,
+            after,
+            run_id,
+        } = request;
+        let live = store.bus().subscribe(conversation_id);
         // The head first, then the run: whatever commits after the head was
         // read comes after `last`, live or from the log. (Read the other way
         // round, a run that ended between the two reads had its final event
         // counted as seen, and the subscription never completed.)
-        let mut last = match after {
+        let last = match after {
             Some(cursor) => cursor,
             None => {
-                let row = Box::pin(reads::conversation(store.api_reads(), &tenant, conversation_id)).await?;
+                let row = reads::conversation(store.api_reads(), &tenant, conversation_id).await?;
                 Cursor(row.map_or(0, |c| c.event_seq))
             }
         };
@@ -89,67 +138,98 @@ fn follow_with(
         // A run that has ended has the rest of its story in the log after
         // `last` (nothing, when it ended before): read it, then stop.
         let catch_up_only = match run_id {
-            Some(id) => match Box::pin(reads::run(store.api_reads(), &tenant, id)).await? {
+            Some(id) => match reads::run(store.api_reads(), &tenant, id).await? {
                 Some(run) => reads::run_status(&run)?.is_ended(),
                 None => true,
             },
             None => false,
         };
-        let wanted = |event: &Event| run_id.is_none() || event.run_id == run_id;
-        let mut behind = after.is_some() || catch_up_only;
+        Ok(Feed {
+            store,
+            tenant,
+            conversation_id,
+            run_id,
+            live,
+            last,
+            behind: after.is_some() || catch_up_only,
+            catch_up_only,
+            page: Vec::new().into_iter(),
+            ended: false,
+        })
+    }
+
+    fn wanted(&self, event: &Event) -> bool {
+        self.run_id.is_none() || event.run_id == self.run_id
+    }
+
+    /// The next event to send; `None` when the feed has ended.
+    async fn next(&mut self) -> Result<Option<Arc<Event>>> {
         loop {
-            if behind {
-                let page = Box::pin(reads::events_after(store.api_reads(), &tenant, conversation_id, last, PAGE)).await?;
-                behind = page.len() as u64 == PAGE;
-                for event in page {
-                    last = event.cursor;
-                    if wanted(&event) {
-                        let is_final = event.kind.is_final();
-                        yield Arc::new(event);
-                        if is_final && run_id.is_some() {
-                            return;
-                        }
-                    }
+            if self.ended {
+                return Ok(None);
+            }
+            if let Some(event) = self.page.next() {
+                self.last = event.cursor;
+                if self.wanted(&event) {
+                    return Ok(Some(self.sent(Arc::new(event))));
                 }
                 continue;
             }
-            if catch_up_only {
-                return;
+            if self.behind {
+                let page = Box::pin(reads::events_after(
+                    self.store.api_reads(),
+                    &self.tenant,
+                    self.conversation_id,
+                    self.last,
+                    PAGE,
+                ))
+                .await?;
+                self.behind = page.len() as u64 == PAGE;
+                self.page = page.into_iter();
+                continue;
+            }
+            if self.catch_up_only {
+                return Ok(None);
             }
             // Woken by this process's commits, or by the head watcher when
             // the log grew elsewhere.
-            let event = match live.recv().await {
+            let event = match self.live.recv().await {
                 Ok(Signal::Event(event)) => event,
                 Ok(Signal::Stale) | Err(RecvError::Lagged(_)) => {
-                    behind = true;
+                    self.behind = true;
                     continue;
                 }
-                Err(RecvError::Closed) => return,
+                Err(RecvError::Closed) => return Ok(None),
             };
             if event.kind.is_persisted() {
-                if event.cursor <= last {
+                if event.cursor <= self.last {
                     continue;
                 }
-                if event.cursor != last.next() {
+                if event.cursor != self.last.next() {
                     // Published out of commit order: the log has the gap.
-                    behind = true;
+                    self.behind = true;
                     continue;
                 }
-                last = event.cursor;
-            } else if event.cursor > last {
+                self.last = event.cursor;
+            } else if event.cursor > self.last {
                 // A delta ahead of the events we have sent: best effort, so
                 // drop it and catch up with what is persisted.
-                behind = true;
+                self.behind = true;
                 continue;
             }
-            if wanted(&event) {
-                let is_final = event.kind.is_final();
-                yield event;
-                if is_final && run_id.is_some() {
-                    return;
-                }
+            if self.wanted(&event) {
+                return Ok(Some(self.sent(event)));
             }
         }
+    }
+
+    /// Notes an event on its way out: a run feed ends after the run's final
+    /// event.
+    fn sent(&mut self, event: Arc<Event>) -> Arc<Event> {
+        if event.kind.is_final() && self.run_id.is_some() {
+            self.ended = true;
+        }
+        event
     }
 }
 

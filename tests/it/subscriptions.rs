@@ -497,11 +497,14 @@ async fn the_server_serves_a_bounded_number_of_subscriptions() {
     let conversation = server.create_conversation(&token).await;
     let mut first = WsClient::connect(&server, &token).await;
     let mut second = WsClient::connect(&server, &token).await;
+    // From the conversation's start: a live subscription (no `after`) is
+    // live only once the server has registered it, which no frame tells.
+    let start = json!({ "c": conversation, "a": "0000000000000000" });
     first
-        .subscribe("a", CONVERSATION_EVENTS, json!({ "c": conversation }))
+        .subscribe("a", CONVERSATION_EVENTS, start.clone())
         .await;
     second
-        .subscribe("b", CONVERSATION_EVENTS, json!({ "c": conversation }))
+        .subscribe("b", CONVERSATION_EVENTS, start.clone())
         .await;
     // Both are being served: the next event reaches them.
     server.send(&token, &conversation, "hello").await;

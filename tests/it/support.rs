@@ -826,8 +826,11 @@ impl WsClient {
     /// The next JSON message, skipping keepalives; `None` once the socket
     /// ended (see `ending`).
     pub async fn next_json(&mut self) -> Option<Value> {
+        // One deadline for the whole wait: the server's pings (every 15 s)
+        // must not keep a test waiting for good.
+        let deadline = tokio::time::Instant::now() + PATIENCE;
         loop {
-            let frame = tokio::time::timeout(PATIENCE, self.socket.next())
+            let frame = tokio::time::timeout_at(deadline, self.socket.next())
                 .await
                 .expect("a WebSocket message in time")?;
             match frame {
