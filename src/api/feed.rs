@@ -90,6 +90,33 @@ fn follow_with(
     })
 }
 
+/// What reading a conversation's log takes, apart from where to start.
+struct Reader {
+    store: Store,
+    tenant: String,
+    conversation_id: Uuid,
+}
+
+/// The page of the log after `after`.
+async fn read_page(reader: Reader, after: Cursor) -> Result<Vec<Event>> {
+    reads::events_after(
+        reader.store.api_reads(),
+        &reader.tenant,
+        reader.conversation_id,
+        after,
+        PAGE,
+    )
+    .await
+}
+
+impl Drop for Feed {
+    fn drop(&mut self) {
+        if let Some(read) = self.read_ahead.take() {
+            read.abort();
+        }
+    }
+}
+
 /// One subscriber's place in a conversation's events.
 struct Feed {
     store: Store,
@@ -106,6 +133,8 @@ struct Feed {
     catch_up_only: bool,
     /// Events read from the log, not yet passed.
     page: std::vec::IntoIter<Event>,
+    /// The log's next page, being read while `page` is sent.
+    read_ahead: Option<tokio::task::JoinHandle<Result<Vec<Event>>>>,
     /// The run's final event was sent.
     ended: bool,
 }
@@ -154,8 +183,17 @@ impl Feed {
             behind: after.is_some() || catch_up_only,
             catch_up_only,
             page: Vec::new().into_iter(),
+            read_ahead: None,
             ended: false,
         })
+    }
+
+    fn reader(&self) -> Reader {
+        Reader {
+            store: self.store.clone(),
+            tenant: self.tenant.clone(),
+            conversation_id: self.conversation_id,
+        }
     }
 
     fn wanted(&self, event: &Event) -> bool {
@@ -176,15 +214,20 @@ impl Feed {
                 continue;
             }
             if self.behind {
-                let page = Box::pin(reads::events_after(
-                    self.store.api_reads(),
-                    &self.tenant,
-                    self.conversation_id,
-                    self.last,
-                    PAGE,
-                ))
-                .await?;
+                let page = match self.read_ahead.take() {
+                    Some(read) => read.await.map_err(|err| {
+                        crate::store::Error::Unavailable(format!("reading the log: {err}"))
+                    })??,
+                    None => Box::pin(read_page(self.reader(), self.last)).await?,
+                };
                 self.behind = page.len() as u64 == PAGE;
+                // A full page has more behind it: read the next one while
+                // this one is sent.
+                if self.behind
+                    && let Some(newest) = page.last()
+                {
+                    self.read_ahead = Some(tokio::spawn(read_page(self.reader(), newest.cursor)));
+                }
                 self.page = page.into_iter();
                 continue;
             }
