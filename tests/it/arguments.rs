@@ -4,7 +4,7 @@
 
 use serde_json::{Value, json};
 
-use crate::support::{Server, ServerOptions, base_config_with_api};
+use crate::support::Server;
 
 /// Ids of a list of objects.
 fn ids(list: &Value) -> Vec<String> {
@@ -19,11 +19,7 @@ fn ids(list: &Value) -> Vec<String> {
 async fn explicit_null_means_the_default() {
     // Complexity 1600: `events(first: 500) { events { cursor } hasMore }`
     // counts 1501, so one page of the default size fits and two do not.
-    let server = Server::start_with(ServerOptions {
-        config: base_config_with_api("max_query_complexity = 1600"),
-        ..Default::default()
-    })
-    .await;
+    let server = Server::with_api("max_query_complexity = 1600").await;
     let token = server.token("acme", "ada");
 
     // conversations(first: null): a page of 20, newest first.

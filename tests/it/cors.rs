@@ -9,18 +9,12 @@ use serde_json::json;
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::http::HeaderValue;
 
-use crate::support::{
-    PATIENCE, Server, ServerOptions, TestDb, base_config_with_api, tether_command,
-};
+use crate::support::{PATIENCE, Server, TestDb, base_config_with_api, tether_command};
 
 const ALLOWED: &str = "http://localhost:5173";
 
 async fn server_allowing(origins: &str) -> Server {
-    Server::start_with(ServerOptions {
-        config: base_config_with_api(&format!("cors_origins = {origins}")),
-        ..Default::default()
-    })
-    .await
+    Server::with_api(&format!("cors_origins = {origins}")).await
 }
 
 /// What a browser sends before a cross-origin POST with a bearer token.

@@ -8,15 +8,7 @@ use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use crate::support::{PATIENCE, Server, ServerOptions, base_config_with_api};
-
-async fn server_with(api_keys: &str) -> Server {
-    Server::start_with(ServerOptions {
-        config: base_config_with_api(api_keys),
-        ..Default::default()
-    })
-    .await
-}
+use crate::support::{PATIENCE, Server};
 
 /// Reads until the server closes the connection; returns what it sent.
 async fn read_to_close(tcp: &mut TcpStream) -> Vec<u8> {
@@ -32,7 +24,7 @@ const HEALTH: &[u8] = b"GET /healthz HTTP/1.1\r\nHost: tether\r\n\r\n";
 
 #[tokio::test]
 async fn a_client_that_sends_half_a_header_is_disconnected_on_time() {
-    let server = server_with("header_read_timeout_secs = 1").await;
+    let server = Server::with_api("header_read_timeout_secs = 1").await;
     let mut tcp = TcpStream::connect(&server.addr).await.unwrap();
     tcp.write_all(b"POST /graphql HTTP/1.1\r\nHost: tether\r\nContent-Ty")
         .await
@@ -48,7 +40,7 @@ async fn a_client_that_sends_half_a_header_is_disconnected_on_time() {
 
 #[tokio::test]
 async fn a_body_that_trickles_in_is_answered_408_on_time() {
-    let server = server_with("request_timeout_secs = 1").await;
+    let server = Server::with_api("request_timeout_secs = 1").await;
     let token = server.token("acme", "ada");
     let mut tcp = TcpStream::connect(&server.addr).await.unwrap();
     let head = format!(
@@ -68,7 +60,7 @@ async fn a_body_that_trickles_in_is_answered_408_on_time() {
 
 #[tokio::test]
 async fn an_idle_keepalive_connection_is_closed_on_time() {
-    let server = server_with("header_read_timeout_secs = 60\nkeepalive_idle_secs = 1").await;
+    let server = Server::with_api("header_read_timeout_secs = 60\nkeepalive_idle_secs = 1").await;
     let mut tcp = TcpStream::connect(&server.addr).await.unwrap();
     tcp.write_all(HEALTH).await.unwrap();
     let started = Instant::now();
@@ -84,7 +76,7 @@ async fn an_idle_keepalive_connection_is_closed_on_time() {
 
 #[tokio::test]
 async fn connections_over_the_cap_wait_for_a_free_slot() {
-    let server = server_with("max_connections = 2").await;
+    let server = Server::with_api("max_connections = 2").await;
     let mut held = Vec::new();
     for _ in 0..2 {
         let mut tcp = TcpStream::connect(&server.addr).await.unwrap();

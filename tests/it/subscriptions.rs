@@ -308,12 +308,7 @@ async fn a_malformed_cursor_is_bad_user_input() {
 
 #[tokio::test]
 async fn the_server_pings_idle_connections() {
-    let config = crate::support::base_config_with_api("ws_keepalive_secs = 1");
-    let server = Server::start_with(crate::support::ServerOptions {
-        config,
-        ..Default::default()
-    })
-    .await;
+    let server = Server::with_api("ws_keepalive_secs = 1").await;
     let token = server.token("acme", "ada");
     let mut modern = WsClient::connect(&server, &token).await;
     assert_eq!(modern.wait_for_keepalive().await, json!({ "type": "ping" }));
@@ -327,12 +322,7 @@ async fn the_server_pings_idle_connections() {
 
 #[tokio::test]
 async fn a_connection_runs_a_bounded_number_of_operations() {
-    let config = crate::support::base_config_with_api("ws_max_operations = 2");
-    let server = Server::start_with(crate::support::ServerOptions {
-        config,
-        ..Default::default()
-    })
-    .await;
+    let server = Server::with_api("ws_max_operations = 2").await;
     let token = server.token("acme", "ada");
     let conversation = server.create_conversation(&token).await;
     let mut client = WsClient::connect(&server, &token).await;
@@ -433,12 +423,7 @@ async fn a_websocket_query_reads_one_snapshot_while_writers_commit() {
 #[tokio::test]
 async fn a_slow_subscriber_neither_loses_events_nor_delays_a_fast_one() {
     const SENDS: usize = 700; // 1,400 events: more than the bus's 1,024
-    let config = crate::support::base_config_with_api("ws_send_timeout_secs = 300");
-    let server = Server::start_with(crate::support::ServerOptions {
-        config,
-        ..Default::default()
-    })
-    .await;
+    let server = Server::with_api("ws_send_timeout_secs = 300").await;
     let token = server.token("acme", "ada");
     let conversation = server.create_conversation(&token).await;
     let start = "0000000000000000";
@@ -487,12 +472,7 @@ async fn a_slow_subscriber_neither_loses_events_nor_delays_a_fast_one() {
 /// room.
 #[tokio::test]
 async fn the_server_serves_a_bounded_number_of_subscriptions() {
-    let config = crate::support::base_config_with_api("max_subscriptions = 2");
-    let server = Server::start_with(crate::support::ServerOptions {
-        config,
-        ..Default::default()
-    })
-    .await;
+    let server = Server::with_api("max_subscriptions = 2").await;
     let token = server.token("acme", "ada");
     let conversation = server.create_conversation(&token).await;
     let mut first = WsClient::connect(&server, &token).await;

@@ -372,6 +372,15 @@ impl Server {
         }
     }
 
+    /// The default configuration with these keys added to its `[api]`.
+    pub async fn with_api(keys: &str) -> Server {
+        Server::start_with(ServerOptions {
+            config: base_config_with_api(keys),
+            ..Default::default()
+        })
+        .await
+    }
+
     /// The API with workers, on the given configuration.
     pub async fn start_workers(config: &str) -> Server {
         Server::start_with(ServerOptions {

@@ -8,21 +8,13 @@ use std::time::{Duration, Instant};
 use serde_json::{Value, json};
 use tokio_tungstenite::tungstenite::Message as WsFrame;
 
-use crate::support::{Ending, PATIENCE, Server, ServerOptions, WsClient, base_config_with_api};
+use crate::support::{Ending, PATIENCE, Server, WsClient};
 
 const PING: &str = r#"{"type":"ping"}"#;
 
-async fn server_with(api_keys: &str) -> Server {
-    Server::start_with(ServerOptions {
-        config: base_config_with_api(api_keys),
-        ..Default::default()
-    })
-    .await
-}
-
 #[tokio::test]
 async fn a_ping_flood_before_connection_init_is_closed_with_4408_on_time() {
-    let server = server_with("ws_init_timeout_secs = 2").await;
+    let server = Server::with_api("ws_init_timeout_secs = 2").await;
     let mut client = WsClient::open(&server, "graphql-transport-ws").await;
     let opened = Instant::now();
     client.flood(PING, 300).await.unwrap();
@@ -40,7 +32,7 @@ async fn a_ping_flood_before_connection_init_is_closed_with_4408_on_time() {
 
 #[tokio::test]
 async fn a_ping_flood_after_init_stops_neither_keepalive_nor_the_expiry_close() {
-    let server = server_with("ws_keepalive_secs = 1").await;
+    let server = Server::with_api("ws_keepalive_secs = 1").await;
     let token = server.token_for("acme", "ada", Duration::from_secs(4));
     let mut client = WsClient::connect(&server, &token).await;
     client.flood(PING, 300).await.unwrap();
@@ -132,7 +124,7 @@ async fn a_frame_over_the_size_limit_closes_with_1009_and_a_reason() {
 
 #[tokio::test]
 async fn two_hundred_abusive_sockets_leave_no_descriptor_open() {
-    let server = server_with("ws_init_timeout_secs = 30").await;
+    let server = Server::with_api("ws_init_timeout_secs = 30").await;
     // Warm up whatever the server opens once (pools, files).
     for _ in 0..3 {
         let mut client = WsClient::open(&server, "graphql-transport-ws").await;
@@ -171,7 +163,7 @@ async fn two_hundred_abusive_sockets_leave_no_descriptor_open() {
 
 #[tokio::test]
 async fn a_client_that_stops_reading_is_dropped_after_the_send_timeout() {
-    let server = server_with("ws_send_timeout_secs = 1\nws_max_operations = 5000").await;
+    let server = Server::with_api("ws_send_timeout_secs = 1\nws_max_operations = 5000").await;
     let token = server.token("acme", "ada");
     let before = server.open_fds();
     let mut client = WsClient::connect(&server, &token).await;
