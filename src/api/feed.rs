@@ -215,8 +215,14 @@ impl Feed {
             }
             if self.behind {
                 let page = match self.read_ahead.take() {
+                    // The task's failure is logged, not shown: a panic's
+                    // message is the server's own business.
                     Some(read) => read.await.map_err(|err| {
-                        crate::store::Error::Unavailable(format!("reading the log: {err}"))
+                        tracing::error!(error = %err, "reading the log ahead failed");
+                        crate::store::Error::Unavailable(
+                            "the log could not be read; subscribe again from the last cursor"
+                                .into(),
+                        )
                     })??,
                     None => Box::pin(read_page(self.reader(), self.last)).await?,
                 };
