@@ -78,15 +78,12 @@ pub struct Plan {
 /// subscription operation whose only selection is one of `FIELDS`. Anything
 /// else (a query, a mutation, a document that does not parse, a root with
 /// fragments or several fields) goes to async-graphql's executor as it is.
-pub fn plan(payload: &serde_json::Value) -> Option<Plan> {
-    let request: Request = serde_json::from_value(payload.clone()).ok()?;
+pub fn plan(request: Request) -> Option<Plan> {
     let document = async_graphql::parser::parse_query(&request.query).ok()?;
     let bound = field_variables(&document, request.operation_name.as_deref())?;
-    let variables_json = payload.get("variables").cloned().unwrap_or_default();
-    let mut unbound = match &variables_json {
-        serde_json::Value::Object(map) => map.clone(),
-        serde_json::Value::Null => serde_json::Map::new(),
-        _ => return None,
+    let serde_json::Value::Object(mut unbound) = serde_json::to_value(&request.variables).ok()?
+    else {
+        return None;
     };
     unbound.retain(|name, _| !bound.iter().any(|b| b == name));
     let key = DocumentKey {
@@ -494,8 +491,12 @@ mod tests {
         conversationEvents(conversationId: $c, after: $after) { \
         cursor type at @include(if: $at) ... on PartDelta { offset text } } }";
 
+    fn request(payload: serde_json::Value) -> Request {
+        serde_json::from_value(payload).expect("a request")
+    }
+
     fn planned(query: &str, variables: serde_json::Value) -> Plan {
-        plan(&json!({ "query": query, "variables": variables })).expect("served here")
+        plan(request(json!({ "query": query, "variables": variables }))).expect("served here")
     }
 
     fn delta(conversation_id: Uuid, offset: i64, text: &str) -> Event {
@@ -652,7 +653,7 @@ mod tests {
 
     #[test]
     fn only_a_lone_event_field_of_a_subscription_is_served_here() {
-        let served = |query: &str| plan(&json!({ "query": query })).is_some();
+        let served = |query: &str| plan(request(json!({ "query": query }))).is_some();
         assert!(served(
             "subscription { runEvents(runId: \"r\") { cursor } }"
         ));
@@ -669,7 +670,7 @@ mod tests {
         assert!(!served(
             "subscription A { runEvents(runId: \"r\") { cursor } } subscription B { runEvents(runId: \"s\") { cursor } }"
         ));
-        assert!(plan(&json!({ "query": "subscription A { runEvents(runId: \"r\") { cursor } } subscription B { runEvents(runId: \"s\") { cursor } }", "operationName": "B" })).is_some());
+        assert!(plan(request(json!({ "query": "subscription A { runEvents(runId: \"r\") { cursor } } subscription B { runEvents(runId: \"s\") { cursor } }", "operationName": "B" }))).is_some());
         assert!(!served("subscription { runEvents(runId: "));
     }
 }

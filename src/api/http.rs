@@ -17,11 +17,12 @@ use super::{AppState, ws};
 const GRAPHQL_RESPONSE: &str = "application/graphql-response+json";
 
 /// A WebSocket's read buffer, allocated up front (it grows for a larger
-/// frame; clients send small ones).
-const WS_READ_BUFFER_BYTES: usize = 1024;
+/// frame; most of a client's frames are small: pings, `complete`s).
+const WS_READ_BUFFER_BYTES: usize = 512;
 
-/// What a WebSocket's writes gather before they go to the socket. Only what
-/// is written is allocated: an idle socket holds none of it.
+/// What a WebSocket's writes gather before they go to the socket. It is
+/// allocated as frames are written, and tungstenite keeps the capacity of
+/// the largest batch a socket was sent.
 const WS_WRITE_BUFFER_BYTES: usize = 16 * 1024;
 
 pub async fn graphql_post(State(app): State<AppState>, request: Request) -> Response {
@@ -97,7 +98,13 @@ pub async fn graphql_get(State(app): State<AppState>, request: Request) -> Respo
             // and gathers 128 KiB of writes before it sends them.
             .read_buffer_size(WS_READ_BUFFER_BYTES)
             .write_buffer_size(WS_WRITE_BUFFER_BYTES)
-            .on_upgrade(move |socket| ws::serve(socket, protocol, app));
+            .on_upgrade(move |socket| {
+                // The connection's loop gets a task of its own: axum's task
+                // around this callback would keep the socket's and the
+                // callback's storage for as long as the loop runs.
+                tokio::spawn(ws::serve(socket, protocol, app));
+                std::future::ready(())
+            });
     }
     let viewer = match app.auth.verify_header(authorization(&parts.headers)).await {
         Ok(viewer) => viewer,

@@ -1,28 +1,36 @@
 //! GraphQL over WebSocket (`graphql-transport-ws` and the legacy
-//! `graphql-ws`). async-graphql speaks the protocol; this loop adds what it
-//! lacks: authentication closing with 4403 (also when the token expires on an
-//! open connection), a `connection_init` timeout, and server keepalive pings.
-//! Subscriptions to the event feeds are served by `api::fanout` beside the
-//! protocol engine, which shares their rendering between subscribers.
+//! `graphql-ws`). This loop speaks the connection's part of the protocol:
+//! `connection_init` (authentication, closing with 4403, also when the token
+//! expires on an open connection; a timeout), pings both ways, and the
+//! subscriptions to the event feeds, which `api::fanout` serves and whose
+//! rendering it shares between subscribers. Any other operation goes to
+//! async-graphql's protocol engine, started for the socket the first time
+//! one comes: most sockets only ever follow feeds, and an idle one then
+//! carries no engine.
 
 use std::collections::HashSet;
+use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_graphql::Data;
-use async_graphql::http::{WebSocket as GraphqlSocket, WebSocketProtocols, WsMessage};
+use async_graphql::http::{
+    ClientMessage, WebSocket as GraphqlSocket, WebSocketProtocols, WsMessage,
+};
 use axum::extract::ws::{CloseFrame, Message, WebSocket};
-use futures_util::stream::{SplitSink, Stream};
+use futures_util::stream::{SplitSink, SplitStream, Stream};
 use futures_util::{FutureExt, SinkExt, StreamExt};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 use tokio::time::{Instant, sleep, timeout};
 use tokio_stream::StreamMap;
 use tokio_stream::wrappers::ReceiverStream;
 
-use super::AppState;
-use super::auth::Viewer;
+use super::auth::{Authenticator, Viewer};
 use super::fanout::{self, Frame, Plan};
+use super::{AppState, TetherSchema};
+use crate::config::ApiConfig;
+use crate::store::Store;
 
 /// Client frames buffered towards the protocol engine.
 const INBOUND_BUFFER: usize = 16;
@@ -31,61 +39,86 @@ const INBOUND_BUFFER: usize = 16;
 const BATCH_FRAMES: usize = 64;
 
 const CLOSE_FORBIDDEN: u16 = 4403;
+const CLOSE_UNAUTHORIZED: u16 = 4401;
 const CLOSE_INIT_TIMEOUT: u16 = 4408;
+const CLOSE_TOO_MANY_INITS: u16 = 4429;
+const CLOSE_BAD_FRAME: u16 = 1002;
 const CLOSE_TOO_LARGE: u16 = 1009;
 
-pub async fn serve(socket: WebSocket, protocol: WebSocketProtocols, app: AppState) {
-    let (mut sink, mut stream) = socket.split();
-    let (inbound, inbound_rx) = mpsc::channel::<String>(INBOUND_BUFFER);
-    let (auth_tx, mut auth_rx) = oneshot::channel::<Option<Viewer>>();
-    let auth = app.auth.clone();
-    let mut engine = GraphqlSocket::new(
-        app.schema.clone(),
-        ReceiverStream::new(inbound_rx),
-        protocol,
-    )
-    .on_connection_init(move |payload| async move {
-        let viewer = auth.verify_header(bearer_in(&payload)).await.ok();
-        let _ = auth_tx.send(viewer.clone());
-        match viewer {
-            Some(viewer) => {
-                let mut data = Data::default();
-                data.insert(viewer);
-                Ok(data)
-            }
-            None => Err(async_graphql::Error::new("forbidden")),
-        }
-    });
+type Served = StreamMap<String, Pin<Box<dyn Stream<Item = Frame> + Send>>>;
 
-    let limits = &app.limits;
+/// Where the connection stands.
+enum Init {
+    /// No `connection_init` yet.
+    Waiting,
+    /// The `connection_init`'s token is being verified.
+    Verifying(Pin<Box<dyn Future<Output = Option<Viewer>> + Send>>),
+    /// Acknowledged: the viewer, and its data for the operations.
+    Accepted(Viewer, Arc<Data>),
+}
+
+/// What a connection's loop uses of the app.
+struct Shared {
+    schema: TetherSchema,
+    store: Store,
+    auth: Arc<Authenticator>,
+    limits: Arc<ApiConfig>,
+    fanout: Arc<fanout::Fanout>,
+}
+
+/// The connection's loop, to be spawned as a task of its own.
+///
+/// Every idle socket carries this future, so it is kept small: an `async
+/// fn` keeps its arguments' storage for as long as it runs, so the socket is
+/// split and the app taken apart before the loop starts, and writes are
+/// boxed (`send`, `write_ready`).
+pub fn serve(
+    socket: WebSocket,
+    protocol: WebSocketProtocols,
+    app: AppState,
+) -> impl Future<Output = ()> + Send + 'static {
+    let (sink, stream) = socket.split();
+    let shared = Shared {
+        schema: app.schema,
+        store: app.services.store,
+        auth: app.auth,
+        limits: app.limits,
+        fanout: app.fanout,
+    };
+    converse(sink, stream, protocol, shared)
+}
+
+async fn converse(
+    mut sink: SplitSink<WebSocket, Message>,
+    mut stream: SplitStream<WebSocket>,
+    protocol: WebSocketProtocols,
+    shared: Shared,
+) {
+    let limits = &shared.limits;
     let send_timeout = Duration::from_secs(limits.ws_send_timeout_secs);
-    let init_deadline = sleep(Duration::from_secs(limits.ws_init_timeout_secs));
-    tokio::pin!(init_deadline);
-    // Until a token is accepted nothing expires; `sleep` saturates a
-    // duration this long instead of overflowing.
-    let expiry = sleep(Duration::MAX);
-    tokio::pin!(expiry);
+    // The init timeout until the connection is acknowledged, then the
+    // token's expiry: one timer.
+    let deadline = sleep(Duration::from_secs(limits.ws_init_timeout_secs));
+    tokio::pin!(deadline);
     let mut keepalive = tokio::time::interval(Duration::from_secs(limits.ws_keepalive_secs));
     keepalive.reset();
+    let mut init = Init::Waiting;
     let mut operations = Operations::new(limits.ws_max_operations);
-    let mut authenticated = false;
-    let mut auth_pending = true;
-    // The viewer's data for the operations served beside the engine, from
-    // the moment the engine acknowledges the connection.
-    // (The engine may acknowledge before or after this loop hears of the
-    // viewer.)
-    let mut viewer: Option<Viewer> = None;
-    let mut acknowledged = false;
-    let mut session: Option<Arc<Data>> = None;
-    let mut served: StreamMap<String, Pin<Box<dyn Stream<Item = Frame> + Send>>> = StreamMap::new();
+    let mut served: Served = StreamMap::new();
+    let mut engine: Option<Box<Engine>> = None;
+    let legacy = protocol == WebSocketProtocols::SubscriptionsTransportWS;
 
     let close: Option<(u16, String)> = loop {
+        let accepted = matches!(init, Init::Accepted(..));
+        let verifying = matches!(init, Init::Verifying(_));
         tokio::select! {
-            // The socket is read only while the engine's buffer has room.
-            // The engine drains that buffer when it is polled (the arm
-            // below), so a flood of frames waits in the socket, and the
-            // timers and outgoing frames of this loop keep being served.
-            incoming = stream.next(), if inbound.capacity() > 0 => match incoming {
+            // The socket is read only while the engine's buffer has room,
+            // and not while a `connection_init` is verified (frames wait in
+            // the socket, as they would for the engine). The engine drains
+            // its buffer when it is polled (the arm below), so a flood of
+            // frames waits in the socket, and the timers and outgoing frames
+            // of this loop keep being served.
+            incoming = stream.next(), if !verifying && engine.as_ref().is_none_or(|e| e.has_room()) => match incoming {
                 Some(Ok(frame @ (Message::Text(_) | Message::Binary(_)))) => {
                     let text = match frame {
                         Message::Text(text) => text.to_string(),
@@ -94,31 +127,44 @@ pub async fn serve(socket: WebSocket, protocol: WebSocketProtocols, app: AppStat
                             Err(_) => break Some((1007, "frames must be UTF-8 JSON".to_owned())),
                         },
                     };
-                    let routed = match operations.admit(protocol, &text, session.is_some(), &served) {
-                        Route::Engine => inbound.try_send(text).is_ok(),
-                        Route::Reply(reply) => send(&mut sink, Message::Text(reply.into()), send_timeout).await,
-                        Route::Serve(id, plan) => {
-                            let Some(session) = &session else { unreachable!("served only once acknowledged") };
+                    let sent = match step(text, &init, &mut operations, &mut served, engine.is_some(), protocol) {
+                        Step::Nothing => true,
+                        Step::Reply(reply) => send(&mut sink, Message::Text(reply.into()), send_timeout).await,
+                        Step::Verify(payload) => {
+                            let auth = shared.auth.clone();
+                            init = Init::Verifying(Box::pin(async move {
+                                auth.verify_header(bearer_in(&payload)).await.ok()
+                            }));
+                            true
+                        }
+                        Step::Serve(id, plan) => {
+                            let Init::Accepted(_, session) = &init else { unreachable!("served once acknowledged") };
                             let operation = fanout::operation(
-                                app.fanout.clone(),
-                                app.schema.clone(),
-                                app.services.store.clone(),
+                                shared.fanout.clone(),
+                                shared.schema.clone(),
+                                shared.store.clone(),
                                 session.clone(),
-                                protocol == WebSocketProtocols::SubscriptionsTransportWS,
+                                legacy,
                                 &id,
                                 *plan,
                             );
+                            // Replacing one of the same id, as the engine does.
                             served.insert(id, operation);
                             true
                         }
-                        Route::Stop(id) => {
-                            served.remove(&id);
-                            // As the engine answers a stop.
-                            let complete = serde_json::json!({ "type": "complete", "id": id }).to_string();
-                            send(&mut sink, Message::Text(complete.into()), send_timeout).await
+                        Step::Pass(text) => match (&mut engine, &init) {
+                            (Some(engine), _) => engine.pass(text),
+                            (None, Init::Accepted(viewer, _)) => engine.insert(Engine::start(&shared.schema, protocol, viewer)).pass(text),
+                            (None, _) => true,
+                        },
+                        Step::End { last, close } => {
+                            if let Some(last) = last {
+                                send(&mut sink, Message::Text(last.into()), send_timeout).await;
+                            }
+                            break close;
                         }
                     };
-                    if !routed {
+                    if !sent {
                         break None;
                     }
                 }
@@ -126,71 +172,46 @@ pub async fn serve(socket: WebSocket, protocol: WebSocketProtocols, app: AppStat
                 Some(Err(err)) => break too_large(err, limits.max_request_bytes),
                 Some(Ok(Message::Close(_))) | None => break None,
             },
-            Some(first) = served.next(), if !served.is_empty() => {
-                // The frames ready now go out in one write: a catch-up's
-                // thousands of events, or the two of one commit.
-                let mut ready = Some(first);
-                let mut batched = 0;
-                let mut sent = true;
-                while let Some((id, frame)) = ready.take() {
-                    let text = match frame {
-                        Frame::Next(text) => text,
-                        Frame::Last(text) => {
-                            operations.active.remove(&id);
-                            served.remove(&id);
-                            text
-                        }
-                    };
-                    sent = matches!(timeout(send_timeout, sink.feed(Message::Text(text.into()))).await, Ok(Ok(())));
-                    batched += 1;
-                    if !sent || batched == BATCH_FRAMES {
-                        break;
+            verified = verification(&mut init) => match verified {
+                Some(viewer) => {
+                    deadline.as_mut().reset(deadline_after(viewer.expires_in()));
+                    let session = Arc::new(viewer_data(&viewer));
+                    init = Init::Accepted(viewer, session);
+                    if !send(&mut sink, Message::Text(r#"{"type":"connection_ack"}"#.into()), send_timeout).await {
+                        break None;
                     }
-                    // Whatever else is ready, without waiting: the next turn
-                    // of the loop polls `served` again with this task's waker.
-                    ready = served.next().now_or_never().flatten();
                 }
-                if !sent || !matches!(timeout(send_timeout, sink.flush()).await, Ok(Ok(()))) {
+                None => {
+                    if legacy {
+                        let error = serde_json::json!({ "type": "connection_error", "payload": { "message": "forbidden" } });
+                        send(&mut sink, Message::Text(error.to_string().into()), send_timeout).await;
+                    }
+                    break Some(forbidden("forbidden"));
+                }
+            },
+            Some(first) = served.next(), if !served.is_empty() => {
+                let written = write_ready(&mut sink, first, &mut served, &mut operations, send_timeout);
+                if !Box::pin(written).await {
                     break None;
                 }
             },
-            outgoing = engine.next() => match outgoing {
+            outgoing = engine_frame(&mut engine) => match outgoing {
                 Some(WsMessage::Text(text)) => {
                     operations.ended(&text);
-                    if text.starts_with(r#"{"type":"connection_ack""#) {
-                        acknowledged = true;
-                        session = session.or_else(|| serving(acknowledged, &mut viewer));
-                    }
                     if !send(&mut sink, Message::Text(text.into()), send_timeout).await {
                         break None;
                     }
                 }
-                Some(WsMessage::Close(code, reason)) => {
-                    break Some(refused_init(&mut auth_rx).unwrap_or((code, reason)));
-                }
-                None => break refused_init(&mut auth_rx),
+                Some(WsMessage::Close(code, reason)) => break Some((code, reason)),
+                None => break None,
             },
-            result = &mut auth_rx, if auth_pending => {
-                auth_pending = false;
-                match result {
-                    Ok(Some(accepted)) => {
-                        authenticated = true;
-                        expiry.as_mut().reset(deadline_after(accepted.expires_in()));
-                        viewer = Some(accepted);
-                        session = session.or_else(|| serving(acknowledged, &mut viewer));
-                    }
-                    _ => break Some(forbidden("forbidden")),
-                }
-            },
-            () = &mut init_deadline, if !authenticated && auth_pending => {
-                break Some((CLOSE_INIT_TIMEOUT, "Connection initialisation timeout".to_owned()));
-            },
-            () = &mut expiry => break Some(forbidden("token expired")),
-            _ = keepalive.tick(), if authenticated => {
-                let ping = match protocol {
-                    WebSocketProtocols::GraphQLWS => r#"{"type":"ping"}"#,
-                    WebSocketProtocols::SubscriptionsTransportWS => r#"{"type":"ka"}"#,
-                };
+            () = &mut deadline => break Some(if accepted {
+                forbidden("token expired")
+            } else {
+                (CLOSE_INIT_TIMEOUT, "Connection initialisation timeout".to_owned())
+            }),
+            _ = keepalive.tick(), if accepted => {
+                let ping = if legacy { r#"{"type":"ka"}"# } else { r#"{"type":"ping"}"# };
                 if !send(&mut sink, Message::Text(ping.into()), send_timeout).await {
                     break None;
                 }
@@ -206,15 +227,185 @@ pub async fn serve(socket: WebSocket, protocol: WebSocketProtocols, app: AppStat
     }
 }
 
-/// The data of the operations served beside the engine, once the engine has
-/// acknowledged the connection and the viewer is known.
-fn serving(acknowledged: bool, viewer: &mut Option<Viewer>) -> Option<Arc<Data>> {
-    if !acknowledged {
-        return None;
+/// What a client frame asks of the loop.
+enum Step {
+    Nothing,
+    /// This frame to the client.
+    Reply(String),
+    /// Verify this `connection_init` payload.
+    Verify(serde_json::Value),
+    /// Serve this subscription here (`api::fanout`).
+    Serve(String, Box<Plan>),
+    /// Hand the frame to the engine, started if need be.
+    Pass(String),
+    /// Send `last`, if any, then close with `close` (or just hang up).
+    End {
+        last: Option<String>,
+        close: Option<(u16, String)>,
+    },
+}
+
+/// Where a client frame goes, decided before anything is awaited: the
+/// frame's parsed form is large, and the loop's future does not carry it.
+fn step(
+    text: String,
+    init: &Init,
+    operations: &mut Operations,
+    served: &mut Served,
+    has_engine: bool,
+    protocol: WebSocketProtocols,
+) -> Step {
+    let legacy = protocol == WebSocketProtocols::SubscriptionsTransportWS;
+    let message = match ClientMessage::from_bytes(&text) {
+        Ok(message) => message,
+        // As the engine closes on a frame it cannot read.
+        Err(err) => {
+            return Step::End {
+                last: None,
+                close: Some((CLOSE_BAD_FRAME, err.to_string())),
+            };
+        }
+    };
+    match message {
+        ClientMessage::ConnectionInit { payload } => match init {
+            Init::Waiting => Step::Verify(payload.unwrap_or_default()),
+            _ => too_many_inits(legacy),
+        },
+        ClientMessage::Start { id, payload } => {
+            if !matches!(init, Init::Accepted(..)) {
+                return Step::End {
+                    last: None,
+                    close: Some(not_acknowledged(legacy)),
+                };
+            }
+            match operations.admit(protocol, &id, served) {
+                Err(refusal) => Step::Reply(refusal),
+                Ok(can_serve) => match can_serve.then(|| fanout::plan(payload)).flatten() {
+                    Some(plan) => Step::Serve(id, Box::new(plan)),
+                    None => {
+                        served.remove(&id);
+                        Step::Pass(text)
+                    }
+                },
+            }
+        }
+        ClientMessage::Stop { id } => {
+            operations.active.remove(&id);
+            if served.remove(&id).is_some() {
+                // As the engine answers a stop.
+                Step::Reply(serde_json::json!({ "type": "complete", "id": id }).to_string())
+            } else if has_engine {
+                Step::Pass(text)
+            } else {
+                Step::Nothing
+            }
+        }
+        ClientMessage::ConnectionTerminate => Step::End {
+            last: None,
+            close: None,
+        },
+        // A pong, as soon as possible, with no payload (as the engine
+        // answers).
+        ClientMessage::Ping { .. } => Step::Reply(r#"{"type":"pong"}"#.to_owned()),
+        ClientMessage::Pong { .. } => Step::Nothing,
     }
+}
+
+/// The engine, for the operations not served here. It is given an init of
+/// its own: the connection is acknowledged by then.
+struct Engine {
+    inbound: mpsc::Sender<String>,
+    frames: Pin<Box<dyn Stream<Item = WsMessage> + Send>>,
+    /// The engine's answer to its own init is still to come (and to drop).
+    unacknowledged: bool,
+}
+
+impl Engine {
+    fn start(schema: &TetherSchema, protocol: WebSocketProtocols, viewer: &Viewer) -> Box<Engine> {
+        let (inbound, inbound_rx) = mpsc::channel::<String>(INBOUND_BUFFER);
+        let viewer = viewer.clone();
+        let frames = GraphqlSocket::new(schema.clone(), ReceiverStream::new(inbound_rx), protocol)
+            .on_connection_init(move |_| async move { Ok(viewer_data(&viewer)) });
+        let init = r#"{"type":"connection_init"}"#.to_owned();
+        inbound.try_send(init).expect("a new channel has room");
+        Box::new(Engine {
+            inbound,
+            frames: Box::pin(frames),
+            unacknowledged: true,
+        })
+    }
+
+    fn has_room(&self) -> bool {
+        self.inbound.capacity() > 0
+    }
+
+    /// Hands a client frame to the engine; false if it has stopped.
+    fn pass(&mut self, text: String) -> bool {
+        self.inbound.try_send(text).is_ok()
+    }
+}
+
+/// The engine's next frame for the client; never, while there is no engine.
+async fn engine_frame(engine: &mut Option<Box<Engine>>) -> Option<WsMessage> {
+    let Some(engine) = engine else {
+        return std::future::pending().await;
+    };
+    loop {
+        let frame = engine.frames.next().await;
+        if engine.unacknowledged
+            && let Some(WsMessage::Text(text)) = &frame
+            && text.starts_with(r#"{"type":"connection_ack""#)
+        {
+            engine.unacknowledged = false;
+            continue;
+        }
+        return frame;
+    }
+}
+
+/// The verification of the `connection_init`'s token; never, while there is
+/// none.
+async fn verification(init: &mut Init) -> Option<Viewer> {
+    match init {
+        Init::Verifying(check) => check.await,
+        _ => std::future::pending().await,
+    }
+}
+
+/// The data an operation of this connection runs with.
+fn viewer_data(viewer: &Viewer) -> Data {
     let mut data = Data::default();
-    data.insert(viewer.take()?);
-    Some(Arc::new(data))
+    data.insert(viewer.clone());
+    data
+}
+
+/// A subscribe before the connection is acknowledged: `graphql-transport-ws`
+/// closes with 4401; the legacy protocol as async-graphql does.
+fn not_acknowledged(legacy: bool) -> (u16, String) {
+    if legacy {
+        (1011, "The handshake is not completed.".to_owned())
+    } else {
+        (CLOSE_UNAUTHORIZED, "Unauthorized".to_owned())
+    }
+}
+
+/// A second `connection_init`: `graphql-transport-ws` closes with 4429; the
+/// legacy protocol says so in a `connection_error` and hangs up.
+fn too_many_inits(legacy: bool) -> Step {
+    const REASON: &str = "Too many initialisation requests.";
+    if legacy {
+        let error =
+            serde_json::json!({ "type": "connection_error", "payload": { "message": REASON } });
+        Step::End {
+            last: Some(error.to_string()),
+            close: None,
+        }
+    } else {
+        Step::End {
+            last: None,
+            close: Some((CLOSE_TOO_MANY_INITS, REASON.to_owned())),
+        }
+    }
 }
 
 /// `now + after`, or thirty years on where that does not fit.
@@ -224,10 +415,55 @@ fn deadline_after(after: Duration) -> Instant {
         .unwrap_or_else(|| now + Duration::from_secs(86_400 * 365 * 30))
 }
 
+/// Writes the frames of served operations ready now in one write (at most
+/// `BATCH_FRAMES`): a catch-up's thousands of events, or the two of one
+/// commit. Returns whether they went out.
+async fn write_ready(
+    sink: &mut SplitSink<WebSocket, Message>,
+    first: (String, Frame),
+    served: &mut Served,
+    operations: &mut Operations,
+    limit: Duration,
+) -> bool {
+    let mut ready = Some(first);
+    let mut batched = 0;
+    while let Some((id, frame)) = ready.take() {
+        let text = match frame {
+            Frame::Next(text) => text,
+            Frame::Last(text) => {
+                operations.active.remove(&id);
+                served.remove(&id);
+                text
+            }
+        };
+        if !matches!(
+            timeout(limit, sink.feed(Message::Text(text.into()))).await,
+            Ok(Ok(()))
+        ) {
+            return false;
+        }
+        batched += 1;
+        if batched == BATCH_FRAMES {
+            break;
+        }
+        // Whatever else is ready, without waiting: the loop's next turn
+        // polls `served` again with the task's waker.
+        ready = served.next().now_or_never().flatten();
+    }
+    matches!(timeout(limit, sink.flush()).await, Ok(Ok(())))
+}
+
 /// Sends one frame, giving up on a client that does not take it in time.
 /// Returns whether the frame went out.
-async fn send(sink: &mut SplitSink<WebSocket, Message>, frame: Message, limit: Duration) -> bool {
-    matches!(timeout(limit, sink.send(frame)).await, Ok(Ok(())))
+///
+/// Boxed, as the writes of `write_ready` are: the loop's future, which every
+/// idle socket carries, then holds a pointer where a write's state would be.
+fn send(
+    sink: &mut SplitSink<WebSocket, Message>,
+    frame: Message,
+    limit: Duration,
+) -> Pin<Box<dyn Future<Output = bool> + Send + '_>> {
+    Box::pin(async move { matches!(timeout(limit, sink.send(frame)).await, Ok(Ok(()))) })
 }
 
 /// The close for a read error: a frame over the size limit gets 1009 and a
@@ -241,18 +477,6 @@ fn too_large(err: axum::Error, limit: usize) -> Option<(u16, String)> {
         )),
         _ => None,
     }
-}
-
-/// Where a client frame goes.
-enum Route {
-    /// To async-graphql's protocol engine, as it is.
-    Engine,
-    /// Nowhere: this is the answer.
-    Reply(String),
-    /// A subscription served beside the engine (`api::fanout`).
-    Serve(String, Box<Plan>),
-    /// The end of a subscription served beside the engine.
-    Stop(String),
 }
 
 /// The operations running on one socket, capped: each holds a subscription
@@ -270,51 +494,21 @@ impl Operations {
         }
     }
 
-    /// Notes a client frame and says where it goes. An operation over the
-    /// cap is refused; a subscription to an event feed is served beside the
-    /// engine once the connection is acknowledged (`can_serve`), unless the
-    /// engine already runs an operation of that id (it replaces it).
+    /// Notes a subscribe of `id`: the refusal of one over the cap, or
+    /// whether it may be served here. An id the engine runs stays with the
+    /// engine, which replaces it.
     fn admit<S>(
         &mut self,
         protocol: WebSocketProtocols,
-        text: &str,
-        can_serve: bool,
+        id: &str,
         served: &StreamMap<String, S>,
-    ) -> Route {
-        let Ok(frame) = serde_json::from_str::<serde_json::Value>(text) else {
-            return Route::Engine;
-        };
-        let Some(id) = frame["id"].as_str() else {
-            return Route::Engine;
-        };
-        let id = id.to_owned();
-        match frame["type"].as_str() {
-            Some("subscribe" | "start") => {
-                let known = self.active.contains(&id);
-                if !known && self.active.len() >= self.limit {
-                    return Route::Reply(self.refusal(protocol, &id));
-                }
-                let in_engine = known && !served.contains_key(&id);
-                let plan = match (can_serve && !in_engine, frame.get("payload")) {
-                    (true, Some(payload)) => fanout::plan(payload),
-                    _ => None,
-                };
-                self.active.insert(id.clone());
-                match plan {
-                    Some(plan) => Route::Serve(id, Box::new(plan)),
-                    None => Route::Engine,
-                }
-            }
-            Some("complete" | "stop") => {
-                self.active.remove(&id);
-                if served.contains_key(&id) {
-                    Route::Stop(id)
-                } else {
-                    Route::Engine
-                }
-            }
-            _ => Route::Engine,
+    ) -> Result<bool, String> {
+        let known = self.active.contains(id);
+        if !known && self.active.len() >= self.limit {
+            return Err(self.refusal(protocol, id));
         }
+        self.active.insert(id.to_owned());
+        Ok(!known || served.contains_key(id))
     }
 
     fn refusal(&self, protocol: WebSocketProtocols, id: &str) -> String {
@@ -345,15 +539,6 @@ impl Operations {
 
 fn forbidden(reason: &str) -> (u16, String) {
     (CLOSE_FORBIDDEN, reason.to_owned())
-}
-
-/// When the engine closes after a refused `connection_init`, the close is
-/// ours to give: 4403.
-fn refused_init(auth_rx: &mut oneshot::Receiver<Option<Viewer>>) -> Option<(u16, String)> {
-    match auth_rx.try_recv() {
-        Ok(None) => Some(forbidden("forbidden")),
-        _ => None,
-    }
 }
 
 /// The `Authorization` value of a `connection_init` payload, its key in any

@@ -1,6 +1,7 @@
 //! A WebSocket that floods, bursts or oversends cannot wedge its loop: the
 //! init timeout, keepalive and the token-expiry close keep working, every
-//! operation is answered, and nothing is left open afterwards.
+//! operation is answered, and nothing is left open afterwards. A client
+//! that breaks the protocol's order is closed with the protocol's code.
 
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
@@ -189,4 +190,61 @@ async fn a_client_that_stops_reading_is_dropped_after_the_send_timeout() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     drop(client);
+}
+
+#[tokio::test]
+async fn a_subscribe_before_init_and_a_second_init_close_with_the_protocols_codes() {
+    let server = Server::start().await;
+    let token = server.token("acme", "ada");
+    let conversation = server.create_conversation(&token).await;
+
+    let mut early = WsClient::open(&server, "graphql-transport-ws").await;
+    early.subscribe("a", "{ me { tenant } }", json!({})).await;
+    assert_eq!(
+        early.ending().await,
+        Ending::Closed(4401, "Unauthorized".to_owned())
+    );
+
+    let mut twice = WsClient::connect(&server, &token).await;
+    twice
+        .init(json!({ "Authorization": format!("Bearer {token}") }))
+        .await;
+    assert_eq!(
+        twice.ending().await,
+        Ending::Closed(4429, "Too many initialisation requests.".to_owned())
+    );
+
+    // Pings are answered before and after the init, and a feed and a query
+    // share one socket.
+    let mut client = WsClient::open(&server, "graphql-transport-ws").await;
+    client.send_json(json!({ "type": "ping" })).await;
+    assert_eq!(client.next_json().await.unwrap(), json!({ "type": "pong" }));
+    client
+        .init(json!({ "Authorization": format!("Bearer {token}") }))
+        .await;
+    assert_eq!(client.next_json().await.unwrap()["type"], "connection_ack");
+    client
+        .subscribe(
+            "feed",
+            "subscription($c: ID!) { conversationEvents(conversationId: $c, after: \"0000000000000000\") { type } }",
+            json!({ "c": conversation }),
+        )
+        .await;
+    client.subscribe("me", "{ me { tenant } }", json!({})).await;
+    client.send_json(json!({ "type": "ping" })).await;
+    let mut seen = Vec::new();
+    while seen.len() < 3 {
+        let message = client.next_json().await.expect("the socket stays open");
+        seen.push(message);
+    }
+    assert!(seen.contains(&json!({ "type": "pong" })), "{seen:?}");
+    assert!(
+        seen.iter()
+            .any(|m| m["id"] == "me" && m["payload"]["data"]["me"]["tenant"] == "acme"),
+        "{seen:?}"
+    );
+    assert!(
+        seen.iter().all(|m| m["type"] != "connection_ack"),
+        "one acknowledgement only: {seen:?}"
+    );
 }
