@@ -90,6 +90,7 @@ pub async fn graphql_get(State(app): State<AppState>, request: Request) -> Respo
             );
         };
         let max_frame = app.limits.max_request_bytes;
+        let shared = app.ws.clone();
         return upgrade
             .protocols([protocol.sec_websocket_protocol()])
             .max_message_size(max_frame)
@@ -102,7 +103,7 @@ pub async fn graphql_get(State(app): State<AppState>, request: Request) -> Respo
                 // The connection's loop gets a task of its own: axum's task
                 // around this callback would keep the socket's and the
                 // callback's storage for as long as the loop runs.
-                tokio::spawn(ws::serve(socket, protocol, app));
+                tokio::spawn(ws::serve(socket, protocol, shared));
                 std::future::ready(())
             });
     }

@@ -42,6 +42,8 @@ pub struct AppState {
     pub auth: Arc<Authenticator>,
     pub limits: Arc<ApiConfig>,
     pub fanout: Arc<fanout::Fanout>,
+    /// What every WebSocket's loop uses, in one place for all of them.
+    ws: Arc<ws::Shared>,
 }
 
 pub fn schema(services: Services) -> TetherSchema {
@@ -89,12 +91,24 @@ pub fn router(services: Services, auth: Authenticator) -> Router {
 
 impl AppState {
     pub fn new(services: Services, auth: Authenticator) -> AppState {
+        let schema = schema(services.clone());
+        let limits = Arc::new(services.config.api.clone());
+        let auth = Arc::new(auth);
+        let fanout: Arc<fanout::Fanout> = Arc::default();
+        let ws = Arc::new(ws::Shared {
+            schema: schema.clone(),
+            store: services.store.clone(),
+            auth: auth.clone(),
+            limits: limits.clone(),
+            fanout: fanout.clone(),
+        });
         AppState {
-            schema: schema(services.clone()),
-            limits: Arc::new(services.config.api.clone()),
+            schema,
+            limits,
             services,
-            auth: Arc::new(auth),
-            fanout: Arc::default(),
+            auth,
+            fanout,
+            ws,
         }
     }
 }

@@ -26,9 +26,9 @@ use tokio::time::{Instant, sleep, timeout};
 use tokio_stream::StreamMap;
 use tokio_stream::wrappers::ReceiverStream;
 
+use super::TetherSchema;
 use super::auth::{Authenticator, Viewer};
 use super::fanout::{self, Frame, Plan};
-use super::{AppState, TetherSchema};
 use crate::config::ApiConfig;
 use crate::store::Store;
 
@@ -53,38 +53,32 @@ enum Init {
     Waiting,
     /// The `connection_init`'s token is being verified.
     Verifying(Pin<Box<dyn Future<Output = Option<Viewer>> + Send>>),
-    /// Acknowledged: the viewer, and its data for the operations.
-    Accepted(Viewer, Arc<Data>),
+    /// Acknowledged: the viewer.
+    Accepted(Viewer),
 }
 
-/// What a connection's loop uses of the app.
-struct Shared {
-    schema: TetherSchema,
-    store: Store,
-    auth: Arc<Authenticator>,
-    limits: Arc<ApiConfig>,
-    fanout: Arc<fanout::Fanout>,
+/// What every connection's loop uses of the app, shared by all of them.
+pub struct Shared {
+    pub(super) schema: TetherSchema,
+    pub(super) store: Store,
+    pub(super) auth: Arc<Authenticator>,
+    pub(super) limits: Arc<ApiConfig>,
+    pub(super) fanout: Arc<fanout::Fanout>,
 }
 
 /// The connection's loop, to be spawned as a task of its own.
 ///
 /// Every idle socket carries this future, so it is kept small: an `async
 /// fn` keeps its arguments' storage for as long as it runs, so the socket is
-/// split and the app taken apart before the loop starts, and writes are
-/// boxed (`send`, `write_ready`).
+/// split before the loop starts; the app is one pointer; writes are boxed
+/// (`send`, `write_ready`); and what a frame asks is decided before anything
+/// is awaited (`step`).
 pub fn serve(
     socket: WebSocket,
     protocol: WebSocketProtocols,
-    app: AppState,
+    shared: Arc<Shared>,
 ) -> impl Future<Output = ()> + Send + 'static {
     let (sink, stream) = socket.split();
-    let shared = Shared {
-        schema: app.schema,
-        store: app.services.store,
-        auth: app.auth,
-        limits: app.limits,
-        fanout: app.fanout,
-    };
     converse(sink, stream, protocol, shared)
 }
 
@@ -92,7 +86,7 @@ async fn converse(
     mut sink: SplitSink<WebSocket, Message>,
     mut stream: SplitStream<WebSocket>,
     protocol: WebSocketProtocols,
-    shared: Shared,
+    shared: Arc<Shared>,
 ) {
     let limits = &shared.limits;
     let send_timeout = Duration::from_secs(limits.ws_send_timeout_secs);
@@ -100,8 +94,9 @@ async fn converse(
     // token's expiry: one timer.
     let deadline = sleep(Duration::from_secs(limits.ws_init_timeout_secs));
     tokio::pin!(deadline);
-    let mut keepalive = tokio::time::interval(Duration::from_secs(limits.ws_keepalive_secs));
-    keepalive.reset();
+    let keepalive_every = Duration::from_secs(limits.ws_keepalive_secs);
+    let keepalive = sleep(keepalive_every);
+    tokio::pin!(keepalive);
     let mut init = Init::Waiting;
     let mut operations = Operations::new(limits.ws_max_operations);
     let mut served: Served = StreamMap::new();
@@ -109,7 +104,7 @@ async fn converse(
     let legacy = protocol == WebSocketProtocols::SubscriptionsTransportWS;
 
     let close: Option<(u16, String)> = loop {
-        let accepted = matches!(init, Init::Accepted(..));
+        let accepted = matches!(init, Init::Accepted(_));
         let verifying = matches!(init, Init::Verifying(_));
         tokio::select! {
             // The socket is read only while the engine's buffer has room,
@@ -138,12 +133,12 @@ async fn converse(
                             true
                         }
                         Step::Serve(id, plan) => {
-                            let Init::Accepted(_, session) = &init else { unreachable!("served once acknowledged") };
+                            let Init::Accepted(viewer) = &init else { unreachable!("served once acknowledged") };
                             let operation = fanout::operation(
                                 shared.fanout.clone(),
                                 shared.schema.clone(),
                                 shared.store.clone(),
-                                session.clone(),
+                                Arc::new(viewer_data(viewer)),
                                 legacy,
                                 &id,
                                 *plan,
@@ -154,7 +149,7 @@ async fn converse(
                         }
                         Step::Pass(text) => match (&mut engine, &init) {
                             (Some(engine), _) => engine.pass(text),
-                            (None, Init::Accepted(viewer, _)) => engine.insert(Engine::start(&shared.schema, protocol, viewer)).pass(text),
+                            (None, Init::Accepted(viewer)) => engine.insert(Engine::start(&shared.schema, protocol, viewer)).pass(text),
                             (None, _) => true,
                         },
                         Step::End { last, close } => {
@@ -175,8 +170,7 @@ async fn converse(
             verified = verification(&mut init) => match verified {
                 Some(viewer) => {
                     deadline.as_mut().reset(deadline_after(viewer.expires_in()));
-                    let session = Arc::new(viewer_data(&viewer));
-                    init = Init::Accepted(viewer, session);
+                    init = Init::Accepted(viewer);
                     if !send(&mut sink, Message::Text(r#"{"type":"connection_ack"}"#.into()), send_timeout).await {
                         break None;
                     }
@@ -190,7 +184,7 @@ async fn converse(
                 }
             },
             Some(first) = served.next(), if !served.is_empty() => {
-                let written = write_ready(&mut sink, first, &mut served, &mut operations, send_timeout);
+                let written = write_ready(&mut sink, first, &mut served, send_timeout);
                 if !Box::pin(written).await {
                     break None;
                 }
@@ -210,7 +204,8 @@ async fn converse(
             } else {
                 (CLOSE_INIT_TIMEOUT, "Connection initialisation timeout".to_owned())
             }),
-            _ = keepalive.tick(), if accepted => {
+            () = &mut keepalive, if accepted => {
+                keepalive.as_mut().reset(Instant::now() + keepalive_every);
                 let ping = if legacy { r#"{"type":"ka"}"# } else { r#"{"type":"ping"}"# };
                 if !send(&mut sink, Message::Text(ping.into()), send_timeout).await {
                     break None;
@@ -272,7 +267,7 @@ fn step(
             _ => too_many_inits(legacy),
         },
         ClientMessage::Start { id, payload } => {
-            if !matches!(init, Init::Accepted(..)) {
+            if !matches!(init, Init::Accepted(_)) {
                 return Step::End {
                     last: None,
                     close: Some(not_acknowledged(legacy)),
@@ -284,13 +279,14 @@ fn step(
                     Some(plan) => Step::Serve(id, Box::new(plan)),
                     None => {
                         served.remove(&id);
+                        operations.in_engine.insert(id);
                         Step::Pass(text)
                     }
                 },
             }
         }
         ClientMessage::Stop { id } => {
-            operations.active.remove(&id);
+            operations.in_engine.remove(&id);
             if served.remove(&id).is_some() {
                 // As the engine answers a stop.
                 Step::Reply(serde_json::json!({ "type": "complete", "id": id }).to_string())
@@ -422,7 +418,6 @@ async fn write_ready(
     sink: &mut SplitSink<WebSocket, Message>,
     first: (String, Frame),
     served: &mut Served,
-    operations: &mut Operations,
     limit: Duration,
 ) -> bool {
     let mut ready = Some(first);
@@ -431,7 +426,6 @@ async fn write_ready(
         let text = match frame {
             Frame::Next(text) => text,
             Frame::Last(text) => {
-                operations.active.remove(&id);
                 served.remove(&id);
                 text
             }
@@ -480,35 +474,36 @@ fn too_large(err: axum::Error, limit: usize) -> Option<(u16, String)> {
 }
 
 /// The operations running on one socket, capped: each holds a subscription
-/// and its buffer.
+/// and its buffer. Those served here are the keys of `Served`; this keeps
+/// the ids of those the engine runs.
 struct Operations {
-    active: HashSet<String>,
+    in_engine: HashSet<String>,
     limit: usize,
 }
 
 impl Operations {
     fn new(limit: usize) -> Operations {
         Operations {
-            active: HashSet::new(),
+            in_engine: HashSet::new(),
             limit,
         }
     }
 
-    /// Notes a subscribe of `id`: the refusal of one over the cap, or
-    /// whether it may be served here. An id the engine runs stays with the
-    /// engine, which replaces it.
+    /// A subscribe of `id`: the refusal of one over the cap, or whether it
+    /// may be served here. An id the engine runs stays with the engine,
+    /// which replaces it.
     fn admit<S>(
-        &mut self,
+        &self,
         protocol: WebSocketProtocols,
         id: &str,
         served: &StreamMap<String, S>,
     ) -> Result<bool, String> {
-        let known = self.active.contains(id);
-        if !known && self.active.len() >= self.limit {
+        let in_engine = self.in_engine.contains(id);
+        let known = in_engine || served.contains_key(id);
+        if !known && self.in_engine.len() + served.len() >= self.limit {
             return Err(self.refusal(protocol, id));
         }
-        self.active.insert(id.to_owned());
-        Ok(!known || served.contains_key(id))
+        Ok(!in_engine)
     }
 
     fn refusal(&self, protocol: WebSocketProtocols, id: &str) -> String {
@@ -532,7 +527,7 @@ impl Operations {
             && let Ok(frame) = serde_json::from_str::<serde_json::Value>(text)
             && let Some(id) = frame["id"].as_str()
         {
-            self.active.remove(id);
+            self.in_engine.remove(id);
         }
     }
 }
