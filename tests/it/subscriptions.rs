@@ -62,10 +62,7 @@ async fn the_legacy_graphql_ws_protocol_streams_too() {
     let conversation = server.create_conversation(&token).await;
     server.send(&token, &conversation, "before").await;
     let mut client = WsClient::open(&server, "graphql-ws").await;
-    client
-        .init(json!({ "Authorization": format!("Bearer {token}") }))
-        .await;
-    assert_eq!(client.next_json().await.unwrap()["type"], "connection_ack");
+    client.init_with(&token).await;
     client
         .subscribe(
             "1",
@@ -313,10 +310,7 @@ async fn the_server_pings_idle_connections() {
     let mut modern = WsClient::connect(&server, &token).await;
     assert_eq!(modern.wait_for_keepalive().await, json!({ "type": "ping" }));
     let mut legacy = WsClient::open(&server, "graphql-ws").await;
-    legacy
-        .init(json!({ "Authorization": format!("Bearer {token}") }))
-        .await;
-    assert_eq!(legacy.next_json().await.unwrap()["type"], "connection_ack");
+    legacy.init_with(&token).await;
     assert_eq!(legacy.wait_for_keepalive().await, json!({ "type": "ka" }));
 }
 

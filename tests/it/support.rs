@@ -763,12 +763,16 @@ impl WsClient {
 
     async fn connect_with(server: &Server, token: &str, receive_buffer: Option<u32>) -> WsClient {
         let mut client = WsClient::open_with(server, "graphql-transport-ws", receive_buffer).await;
+        client.init_with(token).await;
         client
-            .init(json!({ "Authorization": format!("Bearer {token}") }))
+    }
+
+    /// Initialises with a token; panics unless acknowledged.
+    pub async fn init_with(&mut self, token: &str) {
+        self.init(json!({ "Authorization": format!("Bearer {token}") }))
             .await;
-        let ack = client.next_json().await.expect("connection_ack");
+        let ack = self.next_json().await.expect("connection_ack");
         assert_eq!(ack["type"], "connection_ack", "{ack}");
-        client
     }
 
     pub async fn init(&mut self, payload: Value) {

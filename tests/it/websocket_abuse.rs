@@ -219,10 +219,7 @@ async fn a_subscribe_before_init_and_a_second_init_close_with_the_protocols_code
     let mut client = WsClient::open(&server, "graphql-transport-ws").await;
     client.send_json(json!({ "type": "ping" })).await;
     assert_eq!(client.next_json().await.unwrap(), json!({ "type": "pong" }));
-    client
-        .init(json!({ "Authorization": format!("Bearer {token}") }))
-        .await;
-    assert_eq!(client.next_json().await.unwrap()["type"], "connection_ack");
+    client.init_with(&token).await;
     client
         .subscribe(
             "feed",
