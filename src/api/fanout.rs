@@ -164,11 +164,11 @@ pub fn operation(
     id: &str,
     plan: Plan,
 ) -> Pin<Box<dyn Stream<Item = Frame> + Send>> {
-    let framing = Framing::new(id, legacy);
+    let mut framing = Some(Framing::new(id, legacy));
     let admission = Box::pin(admit(fanout, schema, store, session, plan));
     Box::pin(
         futures_util::stream::once(admission)
-            .flat_map(move |admitted| frames(framing.clone(), admitted)),
+            .flat_map(move |admitted| frames(framing.take().expect("one admission"), admitted)),
     )
 }
 
@@ -258,7 +258,6 @@ fn frames(framing: Framing, admitted: Admitted) -> BoxStream<'static, Frame> {
 }
 
 /// The protocol's frames around a payload, for one operation id.
-#[derive(Clone)]
 struct Framing {
     /// The id, as a JSON string.
     id: String,

@@ -91,6 +91,7 @@ fn follow_with(
 }
 
 /// What reading a conversation's log takes, apart from where to start.
+#[derive(Clone)]
 struct Reader {
     store: Store,
     tenant: String,
@@ -119,9 +120,7 @@ impl Drop for Feed {
 
 /// One subscriber's place in a conversation's events.
 struct Feed {
-    store: Store,
-    tenant: String,
-    conversation_id: Uuid,
+    reader: Reader,
     /// Only this run's events, ending after its final one.
     run_id: Option<Uuid>,
     live: broadcast::Receiver<Signal>,
@@ -174,9 +173,11 @@ impl Feed {
             None => false,
         };
         Ok(Feed {
-            store,
-            tenant,
-            conversation_id,
+            reader: Reader {
+                store,
+                tenant,
+                conversation_id,
+            },
             run_id,
             live,
             last,
@@ -186,14 +187,6 @@ impl Feed {
             read_ahead: None,
             ended: false,
         })
-    }
-
-    fn reader(&self) -> Reader {
-        Reader {
-            store: self.store.clone(),
-            tenant: self.tenant.clone(),
-            conversation_id: self.conversation_id,
-        }
     }
 
     fn wanted(&self, event: &Event) -> bool {
@@ -224,7 +217,7 @@ impl Feed {
                                 .into(),
                         )
                     })??,
-                    None => Box::pin(read_page(self.reader(), self.last)).await?,
+                    None => Box::pin(read_page(self.reader.clone(), self.last)).await?,
                 };
                 self.behind = page.len() as u64 == PAGE;
                 // A full page has more behind it: read the next one while
@@ -232,7 +225,8 @@ impl Feed {
                 if self.behind
                     && let Some(newest) = page.last()
                 {
-                    self.read_ahead = Some(tokio::spawn(read_page(self.reader(), newest.cursor)));
+                    self.read_ahead =
+                        Some(tokio::spawn(read_page(self.reader.clone(), newest.cursor)));
                 }
                 self.page = page.into_iter();
                 continue;
