@@ -1,0 +1,119 @@
+//! Run start: a claim's first commit, then its steps, one after another,
+//! beginning with any batch of tool calls an earlier claim left unfinished.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::Instant;
+use tracing::Instrument;
+
+use super::end::{end, ended, failed};
+use super::inference::{Attempt, usage_of};
+use super::{Control, Next, Steps, Stop};
+use crate::config::FileConfig;
+use crate::domain::run::EndCause;
+use crate::domain::time::secs_to_millis;
+use crate::providers;
+use crate::runtime::failpoints;
+use crate::store::entities::run;
+use crate::store::runs::{self, Lease};
+use crate::store::tool_calls;
+use crate::store::{self, Store};
+use crate::tools::registry::Registry;
+
+pub async fn execute(
+    store: Store,
+    config: Arc<FileConfig>,
+    tools: Arc<Registry>,
+    claimed: run::Model,
+    control: Arc<Control>,
+) {
+    let lease = Lease::of(&claimed);
+    let span = tracing::info_span!(
+        "run",
+        run_id = %lease.run_id,
+        conversation_id = %lease.conversation_id,
+        epoch = lease.epoch
+    );
+    match drive(&store, &config, &tools, &lease, &control)
+        .instrument(span.clone())
+        .await
+    {
+        Ok(()) => {}
+        Err(store::Error::Fenced) => {
+            span.in_scope(|| tracing::info!("the lease moved on; stopped without writing"));
+        }
+        Err(err) => {
+            // The lease runs out and the run is recovered from what was
+            // committed.
+            span.in_scope(|| tracing::error!(error = %err, "run execution failed"));
+        }
+    }
+}
+
+async fn drive(
+    store: &Store,
+    config: &FileConfig,
+    tools: &Registry,
+    lease: &Lease,
+    control: &Control,
+) -> store::Result<()> {
+    failpoints::hit("after_claim");
+    // Run start.
+    let begun = runs::begin(store, lease).await?;
+    failpoints::hit("after_begin");
+    let run = &begun.run;
+    let mut attempt = Attempt::new(&begun);
+    let so_far = usage_of(run);
+    let Some(agent) = config.agent(&run.agent) else {
+        let message = format!("agent {:?} is not configured", run.agent);
+        let ending = failed(EndCause::Error, message, so_far, run.steps);
+        return end(store, lease, &attempt, ending).await;
+    };
+    if run.cancel_requested || control.reason() == Some(Stop::Cancelled) {
+        return end(
+            store,
+            lease,
+            &attempt,
+            ended(EndCause::Cancelled, so_far, run.steps),
+        )
+        .await;
+    }
+    let limits = &agent.limits;
+    let remaining_ms = secs_to_millis(limits.timeout_secs).saturating_sub(run.active_ms);
+    let deadline = Instant::now() + Duration::from_millis(u64::try_from(remaining_ms).unwrap_or(0));
+    let provider = providers::for_agent(agent);
+    let steps = Steps {
+        store,
+        lease,
+        run,
+        agent,
+        tools,
+        offered: tools.for_agent(agent),
+        provider: provider.as_ref(),
+        control,
+        deadline,
+        checkpoint_every: Duration::from_millis(config.runtime.checkpoint_ms),
+        tool_concurrency: config.runtime.tool_concurrency,
+        policy: &config.policy,
+    };
+    let mut step = run.steps;
+    // A batch of tool calls that an earlier claim left unfinished is
+    // finished, from its committed facts, before the model hears anything.
+    if begun.part.is_none() {
+        attempt.said = runs::step_text(store, run.id, step).await?;
+        let calls = tool_calls::of_step(store.db(), run.id, step).await?;
+        match steps.finish_batch(&calls, step, attempt).await? {
+            Next::Step(next) => attempt = next,
+            Next::Over => return Ok(()),
+        }
+        step += 1;
+    }
+    loop {
+        match steps.step(step, attempt).await? {
+            Next::Step(next) => attempt = next,
+            Next::Over => return Ok(()),
+        }
+        step += 1;
+    }
+}
