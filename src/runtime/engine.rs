@@ -25,11 +25,10 @@ use crate::domain::run::{EndCause, RunError, Usage, Waiting};
 use crate::domain::time::{now_millis, secs_to_millis};
 use crate::domain::tool_call::ToolOutcome;
 use crate::providers::{self, ModelEvent, ModelRequest, Provider, ProviderError, ToolSpec};
+use crate::store::commit::{Ending, Lease, OpenPart, PartText, utf16_len};
 use crate::store::entities::{run, tool_call};
 use crate::store::interactions;
-use crate::store::runs::{
-    self, Begun, Compaction, Ending, Lease, OpenPart, PartText, RetryAfterFailure, utf16_len,
-};
+use crate::store::runs::{self, Begun, Compaction, RetryAfterFailure};
 use crate::store::tool_calls::{self, NewToolCall, Verdict};
 use crate::store::{self, Store, reads};
 use crate::tools::registry::{Registry, Tool};

@@ -20,10 +20,10 @@ use uuid::Uuid;
 
 use crate::config::FileConfig;
 use crate::store::Store;
+use crate::store::commit::Lease;
 use crate::store::entities::run;
 use crate::store::interactions;
 use crate::store::queue::{self, Heartbeat, Reclaim};
-use crate::store::runs::Lease;
 use crate::tools::registry::Registry as ToolRegistry;
 use engine::{Control, Stop};
 

@@ -8,18 +8,11 @@ use sea_orm::{
 use uuid::Uuid;
 
 use super::entities::{conversation, message, part, run};
-use super::{Error, Result, Store, is_unique_violation, reads, runs};
+use super::{Actor, Error, Result, Store, commit, is_unique_violation, reads};
 use crate::domain::event::NewEvent;
 use crate::domain::run::{EndCause, RunStatus};
 use crate::domain::time::now_millis;
 use crate::domain::{ActiveRunStrategy, MessageRole, PartKind, PartState};
-
-/// Who acts: every write belongs to the caller's tenant.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Actor {
-    pub tenant: String,
-    pub principal: String,
-}
 
 pub struct NewConversation {
     pub agent: String,
@@ -116,7 +109,7 @@ pub async fn send_message(
                     tx.notify_cancel(row.id).await?;
                     interrupted.push(row.id);
                 }
-                events.extend(runs::end(&tx, row, EndCause::Interrupted, None).await?);
+                events.extend(commit::end(&tx, row, EndCause::Interrupted, None).await?);
             }
         }
     }
@@ -238,7 +231,7 @@ pub async fn cancel_run(store: &Store, actor: &Actor, run_id: Uuid) -> Result<ru
         }
         store.bus().request_cancel(run_id);
     } else {
-        let events = runs::end(&tx, row, EndCause::Cancelled, None).await?;
+        let events = commit::end(&tx, row, EndCause::Cancelled, None).await?;
         tx.append(&conversation, events).await?;
         store.commit(tx).await?;
     }

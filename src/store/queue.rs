@@ -7,8 +7,8 @@ use sea_orm::{
     QuerySelect, Statement, Value,
 };
 
+use super::commit::{self, Lease};
 use super::entities::run;
-use super::runs::{self, Lease};
 use super::{Result, Store};
 use crate::domain::event::NewEvent;
 use crate::domain::run::{EndCause, RunError, RunInput, RunStatus, transition};
@@ -229,19 +229,19 @@ async fn recover(store: &Store, seen: run::Model, which: Reclaim<'_>, budget: u3
         };
         let mut ended = row;
         ended.active_ms = active_ms;
-        runs::end(&tx, ended, EndCause::RecoveryLimit, Some(error)).await?
+        commit::end(&tx, ended, EndCause::RecoveryLimit, Some(error)).await?
     } else {
         tracing::info!(run_id = %row.id, epoch = row.lease_epoch, "re-queueing a run whose worker is gone");
         let to = transition(RunStatus::Running, RunInput::Requeue)
             .map_err(|e| super::Error::Conflict(e.to_string()))?;
-        let mut events = runs::abandon_open_parts(&tx, row.id).await?;
+        let mut events = commit::abandon_open_parts(&tx, row.id).await?;
         let run_id = row.id;
         let recoveries = row.recoveries + 1;
         let mut active: run::ActiveModel = row.into();
         active.status = sea_orm::ActiveValue::Set(to.as_str().to_owned());
         active.recoveries = sea_orm::ActiveValue::Set(recoveries);
         active.active_ms = sea_orm::ActiveValue::Set(active_ms);
-        runs::clear_lease(&mut active);
+        commit::clear_lease(&mut active);
         sea_orm::ActiveModelTrait::update(active, &*tx).await?;
         events.extend(NewEvent::run_status(run_id, to));
         events
