@@ -17,13 +17,13 @@ use serde_json::{Value, json};
 use tokio::sync::{Notify, Semaphore};
 use tracing::Instrument;
 
-use super::failpoints;
 use crate::config::{Recovery, TenantRules};
 use crate::connections::Credential;
 use crate::domain::interaction::questions;
 use crate::domain::retry::RetryPolicy;
 use crate::domain::time::secs_to_millis;
 use crate::domain::tool_call::{ToolCallStatus, ToolOutcome};
+use crate::failpoints;
 use crate::store::commit::{self, Lease};
 use crate::store::entities::{run, tool_call};
 use crate::store::interactions::{self, ApprovalRequest, Decided};

@@ -15,7 +15,7 @@ use tracing::Instrument;
 use serde_json::json;
 
 use super::history::History;
-use super::{batch, compaction, failpoints, history, stop};
+use super::{batch, compaction, history, stop};
 use crate::config::{AgentConfig, BUILTIN_TOOLS, FileConfig, Limits, PolicyConfig};
 use crate::domain::PartKind;
 use crate::domain::cursor::Cursor;
@@ -24,11 +24,13 @@ use crate::domain::retry::RetryPolicy;
 use crate::domain::run::{EndCause, RunError, Usage, Waiting};
 use crate::domain::time::{now_millis, secs_to_millis};
 use crate::domain::tool_call::ToolOutcome;
+use crate::failpoints;
 use crate::providers::{self, ModelEvent, ModelRequest, Provider, ProviderError, ToolSpec};
-use crate::store::commit::{Ending, Lease, OpenPart, PartText, utf16_len};
+use crate::store::commit::{Begun, Ending, Lease, OpenPart, PartText, utf16_len};
 use crate::store::entities::{run, tool_call};
 use crate::store::interactions;
-use crate::store::runs::{self, Begun, Compaction, RetryAfterFailure};
+use crate::store::queue;
+use crate::store::runs::{self, Compaction, RetryAfterFailure};
 use crate::store::tool_calls::{self, NewToolCall, Verdict};
 use crate::store::{self, Store, reads};
 use crate::tools::registry::{Registry, Tool};
@@ -82,17 +84,17 @@ pub async fn execute(
     store: Store,
     config: Arc<FileConfig>,
     tools: Arc<Registry>,
-    claimed: run::Model,
+    claimed: queue::Claimed,
     control: Arc<Control>,
 ) {
-    let lease = Lease::of(&claimed);
+    let lease = Lease::of(&claimed.run);
     let span = tracing::info_span!(
         "run",
         run_id = %lease.run_id,
         conversation_id = %lease.conversation_id,
         epoch = lease.epoch
     );
-    match drive(&store, &config, &tools, &lease, &control)
+    match drive(&store, &config, &tools, &lease, claimed.begun, &control)
         .instrument(span.clone())
         .await
     {
@@ -113,11 +115,17 @@ async fn drive(
     config: &FileConfig,
     tools: &Registry,
     lease: &Lease,
+    begun: Option<Begun>,
     control: &Control,
 ) -> store::Result<()> {
-    failpoints::hit("after_claim");
-    // Run start.
-    let begun = runs::begin(store, lease).await?;
+    // Run start: done with the claim where it could be its first commit.
+    let begun = match begun {
+        Some(begun) => begun,
+        None => {
+            failpoints::hit("after_claim");
+            runs::begin(store, lease).await?
+        }
+    };
     failpoints::hit("after_begin");
     let run = &begun.run;
     let mut attempt = Attempt::new(&begun);

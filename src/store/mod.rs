@@ -82,6 +82,8 @@ pub struct Store {
     /// SQLite has one writer: writers of this process queue here instead of
     /// spinning in SQLite's busy handler, whose sleeps grow to 100 ms.
     write_lane: Option<Arc<Mutex<()>>>,
+    /// SQLite: writes waiting to be committed together (`commit/group.rs`).
+    pending: Option<Arc<commit::Pending>>,
 }
 
 /// API read connections when the caller does not say.
@@ -145,6 +147,7 @@ impl Store {
             bus,
             writes: Arc::default(),
             write_lane: sqlite.then(Arc::default),
+            pending: sqlite.then(Arc::default),
         })
     }
 

@@ -9,9 +9,10 @@ use sea_orm::{ActiveModelTrait, ColumnTrait, EntityTrait, QueryFilter, QueryOrde
 use uuid::Uuid;
 
 use super::commit::{
-    Ending, Lease, OpenPart, PartContent, PartText, WriteTx, abandon_open_parts,
-    abandon_open_parts_with, apply_usage, assistant_message, clear_lease, end_closed, insert_part,
-    next_index, open, part_event, save_parts, step_events, utf16_len,
+    Begun, Ending, Lease, OpenPart, PartContent, PartText, abandon_open_parts,
+    abandon_open_parts_with, apply_usage, assistant_message, assistant_message_new, clear_lease,
+    end_closed, fence, insert_part, next_index, open, open_text_part, part_event, save_parts,
+    step_events, utf16_len,
 };
 use super::entities::{message, part, run, summary, tool_call};
 use super::{Error, Result, Store};
@@ -20,19 +21,6 @@ use crate::domain::event::{EventBody, EventKind, NewEvent};
 use crate::domain::run::{RunError, RunInput, RunStatus, Usage, transition};
 use crate::domain::time::now_millis;
 use crate::domain::{MessageRole, PartKind, PartState};
-
-/// What the worker knows after its first commit of a claim.
-#[derive(Debug, Clone)]
-pub struct Begun {
-    pub run: run::Model,
-    /// The run's assistant message, which all its steps write into.
-    pub message_id: Uuid,
-    /// The text part the next inference streams into; none while a batch of
-    /// tool calls from an earlier claim is still to be finished.
-    pub part: Option<OpenPart>,
-    /// The newest persisted cursor, for live deltas that follow it.
-    pub cursor: Cursor,
-}
 
 /// The first commit of a claim: closes what a cut-off attempt left open
 /// (its text stays visible, `DONE`, followed by a `NOTICE`), makes sure the
@@ -68,26 +56,7 @@ pub async fn begin(store: &Store, lease: &Lease) -> Result<Begun> {
             .is_some();
     let (message_id, index) = match existing {
         Some(existing) => (existing.id, next_index(&tx, existing.id).await?),
-        None => {
-            let id = Uuid::now_v7();
-            message::ActiveModel {
-                id: Set(id),
-                conversation_id: Set(row.conversation_id),
-                tenant: Set(row.tenant.clone()),
-                role: Set(MessageRole::Assistant.as_str().to_owned()),
-                run_id: Set(Some(row.id)),
-                client_message_id: Set(None),
-                created_at: Set(now_millis()),
-            }
-            .insert(&*tx)
-            .await?;
-            events.push(NewEvent::message_created(
-                id,
-                MessageRole::Assistant,
-                Some(row.id),
-            ));
-            (id, 0)
-        }
+        None => (assistant_message_new(&tx, &row, &mut events).await?, 0),
     };
     let part = if batch_pending {
         None
@@ -127,31 +96,6 @@ pub async fn end_step(store: &Store, lease: &Lease, usage: Usage) -> Result<(Ope
     Ok((opened, committed.last().map_or(Cursor::START, |e| e.cursor)))
 }
 
-/// Opens the empty streaming text part a step's inference writes into.
-async fn open_text_part(
-    tx: &WriteTx,
-    row: &run::Model,
-    message_id: Uuid,
-    index: i32,
-    events: &mut Vec<NewEvent>,
-) -> Result<OpenPart> {
-    let part = insert_part(
-        tx,
-        row,
-        message_id,
-        index,
-        PartContent::streaming(PartKind::Text),
-    )
-    .await?;
-    events.push(part_event(EventKind::PartAdded, row, &part, Some(0))?);
-    Ok(OpenPart {
-        id: part.id,
-        message_id,
-        index,
-        kind: PartKind::Text,
-    })
-}
-
 /// The text a run's step committed (its kept text parts, in order).
 pub async fn step_text(store: &Store, run_id: Uuid, step: i32) -> Result<String> {
     let parts = part::Entity::find()
@@ -168,10 +112,17 @@ pub async fn step_text(store: &Store, run_id: Uuid, step: i32) -> Result<String>
 /// Persists the streamed text of these parts so far, each with
 /// `part.updated`.
 pub async fn checkpoint(store: &Store, lease: &Lease, parts: &[PartText]) -> Result<Cursor> {
-    let (mut tx, conversation, row) = open(store, lease).await?;
-    let events = save_parts(&tx, &row, parts, PartState::Streaming).await?;
-    tx.append(&conversation, events).await?;
-    let committed = store.commit(tx).await?;
+    let (lease, parts) = (lease.clone(), parts.to_vec());
+    let ((), committed) = store
+        .write(move |tx| {
+            let (lease, parts) = (lease.clone(), parts.clone());
+            Box::pin(async move {
+                let row = fence(tx, &lease).await?;
+                let events = save_parts(tx, &row, &parts, PartState::Streaming).await?;
+                tx.append(&lease, events).await
+            })
+        })
+        .await?;
     Ok(committed.last().map_or(Cursor::START, |e| e.cursor))
 }
 
@@ -229,14 +180,22 @@ pub async fn finish(
     parts: &[PartText],
     ending: Ending,
 ) -> Result<()> {
-    let (mut tx, conversation, mut row) = open(store, lease).await?;
-    let mut events = save_parts(&tx, &row, parts, PartState::Done).await?;
-    events.extend(step_events(&row, ending.usage, true));
-    apply_usage(&mut row, &ending);
-    // The worker's open parts are all closed just above.
-    let events = end_closed(&tx, row, ending.cause, ending.error, ending.reason, events).await?;
-    tx.append(&conversation, events).await?;
-    store.commit(tx).await?;
+    let (lease, parts) = (lease.clone(), parts.to_vec());
+    store
+        .write(move |tx| {
+            let (lease, parts, ending) = (lease.clone(), parts.clone(), ending.clone());
+            Box::pin(async move {
+                let mut row = fence(tx, &lease).await?;
+                let mut events = save_parts(tx, &row, &parts, PartState::Done).await?;
+                events.extend(step_events(&row, ending.usage, true));
+                apply_usage(&mut row, &ending);
+                // The worker's open parts are all closed just above.
+                let (cause, error, reason) = (ending.cause, ending.error, ending.reason);
+                let events = end_closed(tx, row, cause, error, reason, events).await?;
+                tx.append(&lease, events).await
+            })
+        })
+        .await?;
     Ok(())
 }
 

@@ -14,7 +14,7 @@ use tether::domain::event::EventKind;
 use tether::runtime::{Runtime, RuntimeOptions};
 use tether::store::Actor;
 use tether::store::commands::{self, NewConversation, NewMessage};
-use tether::store::commit::{Lease, PartText};
+use tether::store::commit::{Begun, Lease, PartText};
 use tether::store::entities::run;
 use tether::store::queue::{self, Reclaim};
 use tether::store::runs;
@@ -37,7 +37,7 @@ stream_delay_ms = 0
 "#;
 
 /// The begun text part with `text` in it.
-fn texts(begun: &runs::Begun, text: &str) -> Vec<PartText> {
+fn texts(begun: &Begun, text: &str) -> Vec<PartText> {
     vec![PartText {
         part: begun.part.expect("a first claim opens a text part"),
         text: text.to_owned(),

@@ -11,8 +11,10 @@
 
 mod calls;
 mod end;
+mod group;
 mod parts;
 mod pending;
+mod start;
 
 pub use calls::state_of;
 pub(in crate::store) use calls::{change_in, tool_event};
@@ -21,6 +23,7 @@ pub(in crate::store) use end::{
     abandon_open_parts, abandon_open_parts_with, apply_usage, clear_lease, end, end_closed,
     step_events,
 };
+pub(in crate::store) use group::Pending;
 pub use parts::{OpenPart, PartText, utf16_len};
 pub(in crate::store) use parts::{
     PartContent, add_part, assistant_message, insert_part, next_index, part_event, save_parts,
@@ -28,6 +31,8 @@ pub(in crate::store) use parts::{
 pub(in crate::store) use pending::{
     cancel_where, close_pending, interaction_event, kind_of, resolving_event,
 };
+pub use start::Begun;
+pub(in crate::store) use start::{assistant_message_new, open_text_part, start_first};
 
 use std::sync::atomic::Ordering;
 
@@ -54,6 +59,11 @@ impl Store {
     /// directly.
     pub(crate) async fn write_lane(&self) -> WriteLane {
         self.writes.fetch_add(1, Ordering::Relaxed);
+        self.lane().await
+    }
+
+    /// This process's turn to write, uncounted.
+    async fn lane(&self) -> WriteLane {
         match &self.write_lane {
             Some(lane) => Some(lane.clone().lock_owned().await),
             None => None,
@@ -63,7 +73,13 @@ impl Store {
     /// Begins a write transaction. On SQLite it is `BEGIN IMMEDIATE`, so two
     /// writers never deadlock upgrading a read lock.
     pub async fn begin_write(&self) -> Result<WriteTx> {
-        let lane = self.write_lane().await;
+        let lane = self.lane().await;
+        self.begin_write_in(lane).await
+    }
+
+    /// `begin_write` for a caller that holds the lane already.
+    async fn begin_write_in(&self, lane: WriteLane) -> Result<WriteTx> {
+        self.writes.fetch_add(1, Ordering::Relaxed);
         let tx = self
             .db
             .begin_with_options(TransactionOptions {
@@ -222,6 +238,15 @@ impl<'a> From<&'a Log<'a>> for Log<'a> {
     }
 }
 
+impl<'a> From<&'a Lease> for Log<'a> {
+    fn from(lease: &'a Lease) -> Self {
+        Log {
+            id: lease.conversation_id,
+            tenant: &lease.tenant,
+        }
+    }
+}
+
 /// The right to write for one claim of a run.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Lease {
@@ -244,24 +269,31 @@ impl Lease {
 
 /// Opens a worker's commit: a write transaction in which the run is still
 /// `RUNNING` under this lease's epoch (else `Fenced`, and nothing is
-/// written), with the run's conversation locked first.
+/// written). See `fence`.
 pub(in crate::store) async fn open<'a>(
     store: &Store,
     lease: &'a Lease,
 ) -> Result<(WriteTx, Log<'a>, run::Model)> {
     let tx = store.begin_write().await?;
-    tx.lock_conversation(lease.conversation_id, &lease.tenant)
-        .await?;
-    let conversation = Log {
-        id: lease.conversation_id,
-        tenant: &lease.tenant,
-    };
-    let row = run::Entity::find_by_id(lease.run_id)
+    let row = fence(&tx, lease).await?;
+    Ok((tx, Log::from(lease), row))
+}
+
+/// The fence every worker commit starts with: the run's row, still
+/// `RUNNING` under this lease's epoch, else `Fenced` (and the caller writes
+/// nothing). On PostgreSQL the run's conversation is locked first. On SQLite
+/// the transaction itself (`BEGIN IMMEDIATE`) already excludes every other
+/// writer, so the lock needs no statement of its own.
+pub(in crate::store) async fn fence(tx: &WriteTx, lease: &Lease) -> Result<run::Model> {
+    if tx.get_database_backend() == DatabaseBackend::Postgres {
+        tx.lock_conversation(lease.conversation_id, &lease.tenant)
+            .await?;
+    }
+    run::Entity::find_by_id(lease.run_id)
         .filter(run::Column::LeaseEpoch.eq(lease.epoch))
         .filter(run::Column::Status.eq(RunStatus::Running.as_str()))
         .lock_exclusive()
-        .one(&*tx)
+        .one(&**tx)
         .await?
-        .ok_or(Error::Fenced)?;
-    Ok((tx, conversation, row))
+        .ok_or(Error::Fenced)
 }
