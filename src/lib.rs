@@ -9,6 +9,7 @@ pub mod bus;
 pub mod config;
 pub mod connections;
 pub mod domain;
+pub mod failpoints;
 pub mod providers;
 pub mod redact;
 pub mod runtime;

@@ -5,7 +5,8 @@ use super::error::{ApiError, ApiResult};
 use super::types::{Conversation, Message, Run, parse_id};
 use crate::domain::ActiveRunStrategy;
 use crate::domain::interaction::{Answer, ApprovalDecision};
-use crate::store::commands::{self, Actor, NewConversation, NewMessage};
+use crate::store::Actor;
+use crate::store::commands::{self, NewConversation, NewMessage};
 use crate::store::connections::{self, Owner};
 use crate::store::interactions::{self, Resolution};
 

@@ -19,7 +19,7 @@ use serde_json::{Value, json};
 use crate::config::{ConnectionConfig, ConnectionMode, FileConfig, ToolConnection};
 use crate::domain::interaction::{ConnectionGap, InteractionStatus};
 use crate::domain::time::now_millis;
-use crate::store::commands::Actor;
+use crate::store::Actor;
 use crate::store::connections::{self as stored, Owner, Sealed};
 use crate::store::entities::{connection, interaction, run};
 use crate::store::interactions::{self, Completion, ConnectionRequest, NewConsent};

@@ -17,16 +17,16 @@ use serde_json::{Value, json};
 use tokio::sync::{Notify, Semaphore};
 use tracing::Instrument;
 
-use super::failpoints;
 use crate::config::{Recovery, TenantRules};
 use crate::connections::Credential;
 use crate::domain::interaction::questions;
 use crate::domain::retry::RetryPolicy;
 use crate::domain::time::secs_to_millis;
 use crate::domain::tool_call::{ToolCallStatus, ToolOutcome};
+use crate::failpoints;
+use crate::store::commit::{self, Lease};
 use crate::store::entities::{run, tool_call};
 use crate::store::interactions::{self, ApprovalRequest, Decided};
-use crate::store::runs::Lease;
 use crate::store::tool_calls::{self, Verdict};
 use crate::store::{self, Store};
 use crate::tools::invoke::{Effect, Invocation, invoke};
@@ -103,7 +103,7 @@ impl Runner<'_> {
     pub async fn run(&self, calls: &[tool_call::Model]) -> store::Result<bool> {
         let mut open = Vec::new();
         for call in calls {
-            if !tool_calls::state_of(call)?.is_terminal() {
+            if !commit::state_of(call)?.is_terminal() {
                 open.push(call);
             }
         }
@@ -129,7 +129,7 @@ impl Runner<'_> {
     /// One call to its result; true when it is left waiting for a person.
     async fn call(&self, call: &tool_call::Model, batch: &Batch) -> store::Result<bool> {
         let id = call.id;
-        let status = tool_calls::state_of(call)?.status;
+        let status = commit::state_of(call)?.status;
         let tool = self.tools.get(&call.name);
         let input = call.input.as_ref();
         let (Some(tool), Some(input)) = (tool, input) else {

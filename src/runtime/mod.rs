@@ -4,7 +4,6 @@
 mod batch;
 pub mod compaction;
 pub mod engine;
-pub mod failpoints;
 pub mod history;
 mod stop;
 
@@ -20,10 +19,9 @@ use uuid::Uuid;
 
 use crate::config::FileConfig;
 use crate::store::Store;
-use crate::store::entities::run;
+use crate::store::commit::Lease;
 use crate::store::interactions;
 use crate::store::queue::{self, Heartbeat, Reclaim};
-use crate::store::runs::Lease;
 use crate::tools::registry::Registry as ToolRegistry;
 use engine::{Control, Stop};
 
@@ -152,7 +150,7 @@ async fn dispatch(
             if free == 0 {
                 break;
             }
-            let claimed = match queue::claim(&store, &options.instance_id, lease_ms, free).await {
+            let claimed = match queue::take(&store, &options.instance_id, lease_ms, free).await {
                 Ok(claimed) => claimed,
                 Err(err) => {
                     tracing::warn!(error = %err, "claiming failed");
@@ -165,7 +163,7 @@ async fn dispatch(
                 let Ok(permit) = slots.clone().try_acquire_owned() else {
                     break;
                 };
-                let control = controls.open(claimed.id);
+                let control = controls.open(claimed.run.id);
                 let (store, config, tools, controls, freed) = (
                     store.clone(),
                     config.clone(),
@@ -174,7 +172,7 @@ async fn dispatch(
                     freed.clone(),
                 );
                 tasks.spawn(async move {
-                    let run_id = claimed.id;
+                    let run_id = claimed.run.id;
                     hold(store, config, tools, claimed, control.clone()).await;
                     controls.close(run_id, &control);
                     drop(permit);
@@ -248,10 +246,10 @@ async fn hold(
     store: Store,
     config: Arc<FileConfig>,
     tools: Arc<ToolRegistry>,
-    claimed: run::Model,
+    claimed: queue::Claimed,
     control: Arc<Control>,
 ) {
-    let lease = Lease::of(&claimed);
+    let lease = Lease::of(&claimed.run);
     let rt = &config.runtime;
     let lease_ms = (rt.lease_secs * 1000.0) as i64;
     let every = Duration::from_secs_f64(rt.heartbeat_secs);

@@ -7,25 +7,20 @@ use sea_orm::{
 };
 use uuid::Uuid;
 
+use super::commit::{self, WriteTx};
 use super::entities::{conversation, message, part, run};
-use super::{Error, Result, Store, is_unique_violation, reads, runs};
+use super::{Actor, Error, Result, Store, is_unique_violation, reads};
 use crate::domain::event::NewEvent;
 use crate::domain::run::{EndCause, RunStatus};
 use crate::domain::time::now_millis;
 use crate::domain::{ActiveRunStrategy, MessageRole, PartKind, PartState};
-
-/// Who acts: every write belongs to the caller's tenant.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Actor {
-    pub tenant: String,
-    pub principal: String,
-}
 
 pub struct NewConversation {
     pub agent: String,
     pub title: Option<String>,
 }
 
+#[derive(Debug, Clone)]
 pub struct NewMessage {
     pub conversation_id: Uuid,
     pub text: String,
@@ -61,7 +56,26 @@ pub async fn send_message(
     actor: &Actor,
     new: NewMessage,
 ) -> Result<(message::Model, run::Model)> {
-    let mut tx = store.begin_write().await?;
+    let actor = actor.clone();
+    let ((message, run, interrupted), _) = store
+        .write(move |tx| {
+            let (actor, new) = (actor.clone(), new.clone());
+            Box::pin(async move { send_in(tx, &actor, new).await })
+        })
+        .await?;
+    for run_id in interrupted {
+        store.bus().request_cancel(run_id);
+    }
+    Ok((message, run))
+}
+
+/// `send_message` inside `tx`; also returns the running runs it interrupted,
+/// whose workers are to be told once it commits.
+async fn send_in(
+    tx: &mut WriteTx,
+    actor: &Actor,
+    new: NewMessage,
+) -> Result<(message::Model, run::Model, Vec<Uuid>)> {
     let conversation = tx
         .lock_conversation(new.conversation_id, &actor.tenant)
         .await?;
@@ -70,17 +84,17 @@ pub async fn send_message(
         && let Some(original) = message::Entity::find()
             .filter(message::Column::ConversationId.eq(conversation.id))
             .filter(message::Column::ClientMessageId.eq(client_id.as_str()))
-            .one(&*tx)
+            .one(&**tx)
             .await?
     {
         let run_id = original
             .run_id
             .ok_or_else(|| Error::Corrupt("user message without its run".into()))?;
         let run = run::Entity::find_by_id(run_id)
-            .one(&*tx)
+            .one(&**tx)
             .await?
             .ok_or_else(|| Error::Corrupt("user message's run is missing".into()))?;
-        return Ok((original, run));
+        return Ok((original, run, Vec::new()));
     }
 
     let mut events = Vec::new();
@@ -89,7 +103,7 @@ pub async fn send_message(
         // Runs of a conversation execute in order: nothing to look at.
         ActiveRunStrategy::Queue => {}
         ActiveRunStrategy::Reject => {
-            if !reads::unended_runs(&*tx, &actor.tenant, conversation.id)
+            if !reads::unended_runs(&**tx, &actor.tenant, conversation.id)
                 .await?
                 .is_empty()
             {
@@ -107,7 +121,7 @@ pub async fn send_message(
                 .filter(run::Column::Status.is_in(RunStatus::not_ended().map(RunStatus::as_str)))
                 .order_by_asc(run::Column::Id)
                 .lock_exclusive()
-                .all(&*tx)
+                .all(&**tx)
                 .await?;
             // Ended here and now, also a running one: its epoch moves on, so
             // its worker's next commit is fenced and it stops.
@@ -116,7 +130,7 @@ pub async fn send_message(
                     tx.notify_cancel(row.id).await?;
                     interrupted.push(row.id);
                 }
-                events.extend(runs::end(&tx, row, EndCause::Interrupted, None).await?);
+                events.extend(commit::end(tx, row, EndCause::Interrupted, None).await?);
             }
         }
     }
@@ -133,7 +147,7 @@ pub async fn send_message(
         client_message_id: Set(new.client_message_id.clone()),
         created_at: Set(now),
     }
-    .insert(&*tx)
+    .insert(&**tx)
     .await
     .map_err(|e| {
         if is_unique_violation(&e) {
@@ -158,7 +172,7 @@ pub async fn send_message(
         abandoned: Set(false),
         step: Set(0),
     }
-    .insert(&*tx)
+    .insert(&**tx)
     .await?;
     let run = run::ActiveModel {
         id: Set(run_id),
@@ -189,7 +203,7 @@ pub async fn send_message(
         end_reason: Set(None),
         claimed_at: Set(None),
     }
-    .insert(&*tx)
+    .insert(&**tx)
     .await?;
 
     events.push(NewEvent::message_created(
@@ -199,11 +213,7 @@ pub async fn send_message(
     ));
     events.extend(NewEvent::run_status(run_id, RunStatus::Queued));
     tx.append(&conversation, events).await?;
-    store.commit(tx).await?;
-    for run_id in interrupted {
-        store.bus().request_cancel(run_id);
-    }
-    Ok((message, run))
+    Ok((message, run, interrupted))
 }
 
 /// Cancels a run: one no worker holds ends in this transaction; a running one
@@ -238,7 +248,7 @@ pub async fn cancel_run(store: &Store, actor: &Actor, run_id: Uuid) -> Result<ru
         }
         store.bus().request_cancel(run_id);
     } else {
-        let events = runs::end(&tx, row, EndCause::Cancelled, None).await?;
+        let events = commit::end(&tx, row, EndCause::Cancelled, None).await?;
         tx.append(&conversation, events).await?;
         store.commit(tx).await?;
     }

@@ -12,14 +12,15 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
 use uuid::Uuid;
 
-use super::commands::Actor;
+use super::commit::{
+    self, Lease, PartContent, WriteTx, cancel_where, change_in, close_pending, interaction_event,
+    kind_of, open, resolving_event,
+};
 use super::connections::{self as stored_connections, Owner, Sealed};
 use super::entities::{consent, grant, interaction, run, tool_call};
-use super::runs::{self, Lease, PartContent, open};
-use super::tool_calls::change_in;
-use super::{Error, Result, Store, WriteTx, parse_stored, reads};
+use super::{Actor, Error, Result, Store, parse_stored, reads};
 use crate::domain::PartKind;
-use crate::domain::event::{EventBody, EventKind, NewEvent};
+use crate::domain::event::{EventKind, NewEvent};
 use crate::domain::interaction::{
     Answer, ApprovalDecision, ConnectionGap, InteractionKind, InteractionStatus, QuestionSpec,
     validate_answers,
@@ -81,20 +82,8 @@ enum Consented {
     Declined { error: String },
 }
 
-fn interaction_event(kind: EventKind, run_id: Uuid, interaction_id: Uuid) -> NewEvent {
-    NewEvent {
-        kind,
-        run_id: Some(run_id),
-        body: EventBody::Interaction { interaction_id },
-    }
-}
-
 fn to_json<T: Serialize>(value: &T) -> Result<Value> {
     serde_json::to_value(value).map_err(|e| Error::Corrupt(e.to_string()))
-}
-
-pub fn kind_of(row: &interaction::Model) -> Result<InteractionKind> {
-    parse_stored(&row.kind, "interaction kind")
 }
 
 pub fn status_of(row: &interaction::Model) -> Result<InteractionStatus> {
@@ -162,14 +151,14 @@ async fn open_interaction(
     ttl_ms: i64,
 ) -> Result<(Uuid, Vec<NewEvent>)> {
     let id = Uuid::now_v7();
-    let message_id = runs::assistant_message(tx, row).await?;
+    let message_id = commit::assistant_message(tx, row).await?;
     let part_kind = match kind {
         InteractionKind::Question => PartKind::Question,
         InteractionKind::Approval => PartKind::Approval,
         InteractionKind::Connection => PartKind::Connection,
     };
     let data = json!({ "interactionId": id, "toolCallId": call.id });
-    let part = runs::add_part(tx, row, message_id, PartContent::data(part_kind, data)).await?;
+    let part = commit::add_part(tx, row, message_id, PartContent::data(part_kind, data)).await?;
     let now = now_millis();
     interaction::ActiveModel {
         id: Set(id),
@@ -198,7 +187,7 @@ async fn open_interaction(
     Ok((
         id,
         vec![
-            runs::part_event(EventKind::PartAdded, row, &part, None)?,
+            commit::part_event(EventKind::PartAdded, row, &part, None)?,
             interaction_event(requested, row.id, id),
         ],
     ))
@@ -673,7 +662,7 @@ pub async fn park(
     let to = transition(RunStatus::Running, RunInput::Park(waiting))
         .map_err(|e| Error::Conflict(e.to_string()))?;
     let now = now_millis();
-    let events = runs::step_events(&row, usage, end_step);
+    let events = commit::step_events(&row, usage, end_step);
     let active_ms = row.active_ms + (now - row.claimed_at.unwrap_or(now)).max(0);
     let steps = row.steps + i32::from(end_step);
     let mut active: run::ActiveModel = row.into();
@@ -684,73 +673,11 @@ pub async fn park(
     active.output_tokens = Set(usage.output_tokens);
     active.cost_usd = Set(usage.cost_usd);
     active.active_ms = Set(active_ms);
-    runs::clear_lease(&mut active);
+    commit::clear_lease(&mut active);
     active.update(&*tx).await?;
     tx.append(&conversation, events).await?;
     store.commit(tx).await?;
     Ok(true)
-}
-
-/// Closes the pending interactions of an ending run (`CANCELLED`), each
-/// announced with its kind's resolving event, so a client drops its card.
-pub(crate) async fn cancel_pending(tx: &WriteTx, row: &run::Model) -> Result<Vec<NewEvent>> {
-    cancel_where(tx, interaction::Column::RunId.eq(row.id)).await
-}
-
-/// Cancels the pending interactions `which` selects, with their events.
-/// The caller holds their conversation's lock, so none is resolved
-/// meanwhile.
-async fn cancel_where(
-    tx: &WriteTx,
-    which: sea_orm::sea_query::SimpleExpr,
-) -> Result<Vec<NewEvent>> {
-    let pending = interaction::Entity::find()
-        .filter(which)
-        .filter(interaction::Column::Status.eq(InteractionStatus::Pending.as_str()))
-        .all(&**tx)
-        .await?;
-    if pending.is_empty() {
-        return Ok(Vec::new());
-    }
-    close_pending(
-        tx,
-        interaction::Column::Id.is_in(pending.iter().map(|row| row.id)),
-        InteractionStatus::Cancelled,
-    )
-    .await?;
-    pending
-        .iter()
-        .map(|row| {
-            Ok(interaction_event(
-                resolving_event(kind_of(row)?),
-                row.run_id,
-                row.id,
-            ))
-        })
-        .collect()
-}
-
-/// Moves the pending interactions `which` selects to `to`; returns how many
-/// moved.
-async fn close_pending(
-    tx: &WriteTx,
-    which: sea_orm::sea_query::SimpleExpr,
-    to: InteractionStatus,
-) -> Result<u64> {
-    let closed = interaction::Entity::update_many()
-        .col_expr(
-            interaction::Column::Status,
-            sea_orm::sea_query::Expr::value(to.as_str()),
-        )
-        .col_expr(
-            interaction::Column::ResolvedAt,
-            sea_orm::sea_query::Expr::value(now_millis()),
-        )
-        .filter(which)
-        .filter(interaction::Column::Status.eq(InteractionStatus::Pending.as_str()))
-        .exec(&**tx)
-        .await?;
-    Ok(closed.rows_affected)
 }
 
 /// How a person resolves an interaction.
@@ -1035,17 +962,9 @@ async fn expire_in(tx: &WriteTx, found: &interaction::Model) -> Result<Option<Ve
             Some(found.expires_at - found.created_at),
         );
         let error = RunError::of_cause(EndCause::ConsentExpired, message);
-        events.extend(runs::end(tx, run_row, EndCause::ConsentExpired, Some(error)).await?);
+        events.extend(commit::end(tx, run_row, EndCause::ConsentExpired, Some(error)).await?);
     }
     Ok(Some(events))
-}
-
-fn resolving_event(kind: InteractionKind) -> EventKind {
-    match kind {
-        InteractionKind::Question => EventKind::QuestionAnswered,
-        InteractionKind::Approval => EventKind::ApprovalDecided,
-        InteractionKind::Connection => EventKind::ConnectionCompleted,
-    }
 }
 
 #[cfg(test)]
@@ -1055,7 +974,9 @@ mod tests {
     use super::*;
     use crate::domain::interaction::ApprovalDecision;
     use crate::store::commands;
+    use crate::store::commit::PartText;
     use crate::store::queue;
+    use crate::store::runs;
     use crate::store::test_support::{ada, queued_run, temp_store};
     use crate::store::tool_calls::{self, NewToolCall, Verdict};
 
@@ -1066,10 +987,10 @@ mod tests {
         let claimed = queue::claim(store, "w", 60_000, 1).await.unwrap();
         let lease = Lease::of(&claimed[0]);
         let begun = runs::begin(store, &lease).await.unwrap();
-        let parts: Vec<runs::PartText> = begun
+        let parts: Vec<PartText> = begun
             .part
             .into_iter()
-            .map(|part| runs::PartText {
+            .map(|part| PartText {
                 part,
                 text: "ok".into(),
                 data: None,

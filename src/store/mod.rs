@@ -2,6 +2,7 @@
 //! the reads the API and the runtime share. Backend differences live here.
 
 pub mod commands;
+pub mod commit;
 pub mod connections;
 pub mod entities;
 pub mod interactions;
@@ -14,24 +15,16 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use std::time::Duration;
-use tokio::sync::{Mutex, OwnedMutexGuard};
+use tokio::sync::Mutex;
 
-use sea_orm::sea_query::{Expr, ExprTrait};
 use sea_orm::sqlx::sqlite::{SqliteJournalMode, SqliteSynchronous};
 use sea_orm::{
-    AccessMode, ActiveValue::Set, ColumnTrait, ConnectOptions, ConnectionTrait, Database,
-    DatabaseBackend, DatabaseConnection, DatabaseTransaction, DbErr, EntityTrait, IsolationLevel,
-    QueryFilter, QuerySelect, SqliteTransactionMode, Statement, TransactionOptions,
-    TransactionTrait,
+    AccessMode, ConnectOptions, Database, DatabaseBackend, DatabaseConnection, DatabaseTransaction,
+    DbErr, IsolationLevel, TransactionOptions, TransactionTrait,
 };
 use tether_migrations::{Migrator, MigratorTrait};
-use uuid::Uuid;
 
-use crate::bus::{Bus, pg};
-use crate::domain::cursor::Cursor;
-use crate::domain::event::{Event, EventKind, NewEvent};
-use crate::domain::time::now_millis;
-use entities::{conversation, event};
+use crate::bus::Bus;
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -70,6 +63,13 @@ pub enum Error {
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// Who acts: every write belongs to the caller's tenant.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Actor {
+    pub tenant: String,
+    pub principal: String,
+}
+
 /// The database and the live bus that commits are announced on.
 #[derive(Clone)]
 pub struct Store {
@@ -82,6 +82,8 @@ pub struct Store {
     /// SQLite has one writer: writers of this process queue here instead of
     /// spinning in SQLite's busy handler, whose sleeps grow to 100 ms.
     write_lane: Option<Arc<Mutex<()>>>,
+    /// SQLite: writes waiting to be committed together (`commit/group.rs`).
+    pending: Option<Arc<commit::Pending>>,
 }
 
 /// API read connections when the caller does not say.
@@ -107,9 +109,6 @@ fn connect_options(url: &str, max: u32, min: u32) -> ConnectOptions {
     }
     options
 }
-
-/// The right to write, held until a write's commit (SQLite only).
-pub(crate) type WriteLane = Option<OwnedMutexGuard<()>>;
 
 impl Store {
     /// Connects with settings fit for concurrent use, and with the default
@@ -148,6 +147,7 @@ impl Store {
             bus,
             writes: Arc::default(),
             write_lane: sqlite.then(Arc::default),
+            pending: sqlite.then(Arc::default),
         })
     }
 
@@ -181,17 +181,6 @@ impl Store {
         self.read_statements.load(Ordering::Relaxed)
     }
 
-    /// Waits for this process's turn to write and counts the write. Every
-    /// write takes it: transactions through `begin_write`, single statements
-    /// directly.
-    pub(crate) async fn write_lane(&self) -> WriteLane {
-        self.writes.fetch_add(1, Ordering::Relaxed);
-        match &self.write_lane {
-            Some(lane) => Some(lane.clone().lock_owned().await),
-            None => None,
-        }
-    }
-
     pub fn backend(&self) -> DatabaseBackend {
         self.db.get_database_backend()
     }
@@ -199,26 +188,6 @@ impl Store {
     pub async fn ping(&self) -> Result<()> {
         self.db.ping().await?;
         Ok(())
-    }
-
-    /// Begins a write transaction. On SQLite it is `BEGIN IMMEDIATE`, so two
-    /// writers never deadlock upgrading a read lock.
-    pub async fn begin_write(&self) -> Result<WriteTx> {
-        let lane = self.write_lane().await;
-        let tx = self
-            .db
-            .begin_with_options(TransactionOptions {
-                sqlite_transaction_mode: Some(SqliteTransactionMode::Immediate),
-                ..Default::default()
-            })
-            .await?;
-        let notify_as = (self.backend() == DatabaseBackend::Postgres).then(|| self.bus.origin());
-        Ok(WriteTx {
-            tx,
-            events: Vec::new(),
-            notify_as,
-            _lane: lane,
-        })
     }
 
     /// Begins a read-only transaction whose reads all see one snapshot, on
@@ -235,121 +204,6 @@ impl Store {
             _ => TransactionOptions::default(),
         };
         Ok(self.reads.begin_with_options(options).await?)
-    }
-
-    /// Commits, then announces the transaction's events on the bus. This is
-    /// the one place persisted events are fanned out.
-    pub async fn commit(&self, write: WriteTx) -> Result<Vec<Event>> {
-        write.tx.commit().await?;
-        self.bus.publish(&write.events);
-        Ok(write.events)
-    }
-}
-
-/// A write transaction that collects the events appended in it, to publish
-/// once it has committed. Dropping it rolls back and publishes nothing.
-pub struct WriteTx {
-    tx: DatabaseTransaction,
-    events: Vec<Event>,
-    /// On PostgreSQL, this process's origin for NOTIFY payloads.
-    notify_as: Option<Uuid>,
-    _lane: WriteLane,
-}
-
-impl std::ops::Deref for WriteTx {
-    type Target = DatabaseTransaction;
-    fn deref(&self) -> &DatabaseTransaction {
-        &self.tx
-    }
-}
-
-impl WriteTx {
-    /// Locks a conversation of `tenant` for the rest of the transaction, so
-    /// that its writers serialize and its event sequence follows commit order.
-    pub async fn lock_conversation(&self, id: Uuid, tenant: &str) -> Result<conversation::Model> {
-        conversation::Entity::find_by_id(id)
-            .filter(conversation::Column::Tenant.eq(tenant))
-            .lock_exclusive()
-            .one(&self.tx)
-            .await?
-            .ok_or(Error::NotFound)
-    }
-
-    /// Appends events to a conversation's log in this transaction. Sequence
-    /// numbers come from the conversation row, whose lock is held until
-    /// commit: a later number is always a later commit.
-    pub async fn append(
-        &mut self,
-        conversation: &conversation::Model,
-        new_events: Vec<NewEvent>,
-    ) -> Result<()> {
-        if new_events.is_empty() {
-            return Ok(());
-        }
-        let count = new_events.len() as i64;
-        let updated = conversation::Entity::update_many()
-            .col_expr(
-                conversation::Column::EventSeq,
-                Expr::col(conversation::Column::EventSeq).add(count),
-            )
-            .filter(conversation::Column::Id.eq(conversation.id))
-            .exec_with_returning(&self.tx)
-            .await?;
-        let last = updated.first().ok_or(Error::NotFound)?.event_seq;
-        let at = now_millis();
-        let mut rows = Vec::with_capacity(new_events.len());
-        for (offset, new) in new_events.into_iter().enumerate() {
-            let seq = last - count + 1 + offset as i64;
-            let payload = serde_json::to_value(&new.body)
-                .map_err(|e| Error::Corrupt(format!("event body: {e}")))?;
-            rows.push(event::ActiveModel {
-                conversation_id: Set(conversation.id),
-                seq: Set(seq),
-                tenant: Set(conversation.tenant.clone()),
-                run_id: Set(new.run_id),
-                kind: Set(new.kind.as_str().to_owned()),
-                payload: Set(payload),
-                created_at: Set(at),
-            });
-            self.events.push(Event {
-                conversation_id: conversation.id,
-                cursor: Cursor(seq),
-                kind: new.kind,
-                run_id: new.run_id,
-                at,
-                body: new.body,
-            });
-        }
-        event::Entity::insert_many(rows).exec(&self.tx).await?;
-        self.notify(pg::EVENTS, Some(conversation.id)).await?;
-        if self.events.iter().any(|e| e.kind == EventKind::RunQueued) {
-            self.notify(pg::QUEUED, None).await?;
-        }
-        Ok(())
-    }
-
-    /// Tells other processes that a run's cancellation was requested.
-    pub async fn notify_cancel(&self, run_id: Uuid) -> Result<()> {
-        self.notify(pg::CANCEL, Some(run_id)).await
-    }
-
-    /// NOTIFY inside the transaction, so it is delivered on commit only.
-    async fn notify(&self, channel: &str, id: Option<Uuid>) -> Result<()> {
-        let Some(origin) = self.notify_as else {
-            return Ok(());
-        };
-        let payload = match id {
-            Some(id) => format!("{origin}:{id}"),
-            None => origin.to_string(),
-        };
-        self.tx
-            .execute_raw(Statement::from_sql_and_values(
-                DatabaseBackend::Postgres,
-                "SELECT pg_notify($1, $2)",
-                [channel.into(), payload.into()],
-            ))
-            .await?;
-        Ok(())
     }
 }
 
@@ -373,6 +227,8 @@ where
 
 #[cfg(test)]
 pub(crate) mod test_support {
+    use uuid::Uuid;
+
     use super::*;
 
     /// A migrated store on a SQLite file of its own; remove the folder after.
@@ -386,8 +242,8 @@ pub(crate) mod test_support {
     }
 
     /// Ada of tenant `acme`.
-    pub fn ada() -> commands::Actor {
-        commands::Actor {
+    pub fn ada() -> Actor {
+        Actor {
             tenant: "acme".into(),
             principal: "ada".into(),
         }

@@ -3,16 +3,17 @@
 //! fenced by the epoch the claim gave it (see `store::runs`).
 
 use sea_orm::{
-    ColumnTrait, DatabaseBackend, EntityTrait, IdenStatic, Iterable, QueryFilter, QueryOrder,
-    QuerySelect, Statement, Value,
+    ColumnTrait, ConnectionTrait, DatabaseBackend, EntityTrait, IdenStatic, Iterable, QueryFilter,
+    QueryOrder, QuerySelect, Statement, Value,
 };
 
+use super::commit::{self, Begun, Lease, Log};
 use super::entities::run;
-use super::runs::{self, Lease};
 use super::{Result, Store};
 use crate::domain::event::NewEvent;
 use crate::domain::run::{EndCause, RunError, RunInput, RunStatus, transition};
 use crate::domain::time::now_millis;
+use crate::failpoints;
 
 /// Claims up to `limit` of the oldest runs that may run now: queued (or due
 /// for a retry), and not behind an unended older run of their conversation.
@@ -25,8 +26,76 @@ pub async fn claim(
     limit: usize,
 ) -> Result<Vec<run::Model>> {
     let _lane = store.write_lane().await;
+    claim_in(store.db(), owner, lease_ms, limit).await
+}
+
+/// A claimed run, already started when its claim could be its first commit.
+#[derive(Debug, Clone)]
+pub struct Claimed {
+    pub run: run::Model,
+    pub begun: Option<Begun>,
+}
+
+/// The dispatcher's claim. On SQLite the claim and the first commit of each
+/// run claimed for the first time are one transaction: the assistant
+/// message, the empty text part and `run.started` of every such run commit
+/// with the claim (the `after_claim` failpoint aborts before that commit).
+/// Elsewhere, and for a run claimed again (its worker's first commit has an
+/// attempt to recover), the claim commits alone: on PostgreSQL a claim
+/// locks runs before their conversations, the opposite order to the API's
+/// writes.
+pub async fn take(store: &Store, owner: &str, lease_ms: i64, limit: usize) -> Result<Vec<Claimed>> {
+    if store.backend() != DatabaseBackend::Sqlite {
+        let claimed = claim(store, owner, lease_ms, limit).await?;
+        return Ok(claimed
+            .into_iter()
+            .map(|run| Claimed { run, begun: None })
+            .collect());
+    }
+    let mut tx = store.begin_write().await?;
+    let claimed = claim_in(&*tx, owner, lease_ms, limit).await?;
+    if claimed.is_empty() {
+        return Ok(Vec::new());
+    }
+    let mut started = Vec::with_capacity(claimed.len());
+    for row in &claimed {
+        if row.lease_epoch != 1 {
+            started.push(None);
+            continue;
+        }
+        let mut events = Vec::new();
+        let (message_id, part) = commit::start_first(&tx, row, &mut events).await?;
+        let log = Log {
+            id: row.conversation_id,
+            tenant: &row.tenant,
+        };
+        tx.append(log, events).await?;
+        started.push(Some((message_id, part)));
+    }
+    failpoints::hit("after_claim");
+    let committed = store.commit(tx).await?;
+    Ok(claimed
+        .into_iter()
+        .zip(started)
+        .map(|(run, started)| match started {
+            Some((message_id, part)) => Claimed {
+                begun: Some(Begun::first(run.clone(), message_id, part, &committed)),
+                run,
+            },
+            None => Claimed { run, begun: None },
+        })
+        .collect())
+}
+
+/// The claim statement, on `db` (a connection, or a transaction).
+async fn claim_in<C: ConnectionTrait>(
+    db: &C,
+    owner: &str,
+    lease_ms: i64,
+    limit: usize,
+) -> Result<Vec<run::Model>> {
     let now = now_millis();
-    let backend = store.backend();
+    let backend = db.get_database_backend();
     let mut n = 0;
     let mut param = || {
         n += 1;
@@ -74,7 +143,7 @@ pub async fn claim(
     ];
     let mut claimed = run::Entity::find()
         .from_raw_sql(Statement::from_sql_and_values(backend, sql, values))
-        .all(store.db())
+        .all(db)
         .await?;
     claimed.sort_by_key(|r| r.id);
     Ok(claimed)
@@ -229,19 +298,19 @@ async fn recover(store: &Store, seen: run::Model, which: Reclaim<'_>, budget: u3
         };
         let mut ended = row;
         ended.active_ms = active_ms;
-        runs::end(&tx, ended, EndCause::RecoveryLimit, Some(error)).await?
+        commit::end(&tx, ended, EndCause::RecoveryLimit, Some(error)).await?
     } else {
         tracing::info!(run_id = %row.id, epoch = row.lease_epoch, "re-queueing a run whose worker is gone");
         let to = transition(RunStatus::Running, RunInput::Requeue)
             .map_err(|e| super::Error::Conflict(e.to_string()))?;
-        let mut events = runs::abandon_open_parts(&tx, row.id).await?;
+        let mut events = commit::abandon_open_parts(&tx, row.id).await?;
         let run_id = row.id;
         let recoveries = row.recoveries + 1;
         let mut active: run::ActiveModel = row.into();
         active.status = sea_orm::ActiveValue::Set(to.as_str().to_owned());
         active.recoveries = sea_orm::ActiveValue::Set(recoveries);
         active.active_ms = sea_orm::ActiveValue::Set(active_ms);
-        runs::clear_lease(&mut active);
+        commit::clear_lease(&mut active);
         sea_orm::ActiveModelTrait::update(active, &*tx).await?;
         events.extend(NewEvent::run_status(run_id, to));
         events

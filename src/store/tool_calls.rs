@@ -8,16 +8,17 @@
 use sea_orm::ActiveValue::Set;
 use sea_orm::{
     ActiveModelTrait, ColumnTrait, ConnectionTrait, EntityTrait, QueryFilter, QueryOrder,
-    QuerySelect,
 };
 use serde_json::{Value, json};
 use uuid::Uuid;
 
-use super::entities::{run, tool_call};
-use super::runs::{self, Ending, Lease, PartContent, PartText, end_closed, open};
-use super::{Error, Result, Store, WriteTx, parse_stored};
+use super::commit::{
+    self, Ending, Lease, PartContent, PartText, change_in, end_closed, open, tool_event,
+};
+use super::entities::tool_call;
+use super::{Error, Result, Store};
 use crate::domain::cursor::Cursor;
-use crate::domain::event::{EventBody, EventKind, NewEvent};
+use crate::domain::event::EventKind;
 use crate::domain::time::now_millis;
 use crate::domain::tool_call::{
     InlineOutput, ToolCallState, ToolCallStatus, ToolInput, ToolOutcome, closing_output,
@@ -69,18 +70,18 @@ pub async fn request(
     ending: Option<Ending>,
 ) -> Result<(Vec<tool_call::Model>, Cursor)> {
     let (mut tx, conversation, row) = open(store, lease).await?;
-    let mut events = runs::save_parts(&tx, &row, parts, PartState::Done).await?;
+    let mut events = commit::save_parts(&tx, &row, parts, PartState::Done).await?;
     let message_id = match parts.first() {
         Some(first) => first.part.message_id,
-        None => runs::assistant_message(&tx, &row).await?,
+        None => commit::assistant_message(&tx, &row).await?,
     };
     let now = now_millis();
     let mut stored = Vec::with_capacity(calls.len());
     for (idx, call) in calls.into_iter().enumerate() {
         let id = Uuid::now_v7();
         let content = PartContent::data(PartKind::ToolCall, json!({ "toolCallId": id }));
-        let part = runs::add_part(&tx, &row, message_id, content).await?;
-        events.push(runs::part_event(EventKind::PartAdded, &row, &part, None)?);
+        let part = commit::add_part(&tx, &row, message_id, content).await?;
+        events.push(commit::part_event(EventKind::PartAdded, &row, &part, None)?);
         let (state, input, output) = match call.verdict {
             Verdict::Run(input) => (ToolCallState::REQUESTED, Some(input), None),
             Verdict::Refuse(outcome, output) => {
@@ -123,7 +124,7 @@ pub async fn request(
     }
     if let Some(ending) = ending {
         let mut row = row;
-        runs::apply_usage(&mut row, &ending);
+        commit::apply_usage(&mut row, &ending);
         events = end_closed(&tx, row, ending.cause, ending.error, ending.reason, events).await?;
         stored = of_step(&*tx, lease.run_id, stored.first().map_or(0, |c| c.step)).await?;
     }
@@ -144,18 +145,6 @@ pub async fn of_step<C: ConnectionTrait>(
         .order_by_asc(tool_call::Column::Idx)
         .all(db)
         .await?)
-}
-
-pub fn state_of(call: &tool_call::Model) -> Result<ToolCallState> {
-    Ok(ToolCallState {
-        status: parse_stored(&call.status, "tool call status")?,
-        attempt: call.attempt.max(0) as u32,
-        outcome: call
-            .outcome
-            .as_deref()
-            .map(|o| parse_stored(o, "tool call outcome"))
-            .transpose()?,
-    })
 }
 
 /// Applies `input` to one call of the held run inside the fenced
@@ -181,57 +170,6 @@ async fn change(
     tx.append(&conversation, events).await?;
     store.commit(tx).await?;
     Ok(saved)
-}
-
-/// `change` inside a caller's fenced transaction; returns the call and the
-/// events to append.
-pub(super) async fn change_in(
-    tx: &WriteTx,
-    row: &run::Model,
-    call_id: Uuid,
-    input: ToolInput,
-    fill: impl FnOnce(&mut tool_call::ActiveModel, ToolCallState),
-) -> Result<(tool_call::Model, Vec<NewEvent>)> {
-    let call = tool_call::Entity::find_by_id(call_id)
-        .filter(tool_call::Column::RunId.eq(row.id))
-        .lock_exclusive()
-        .one(&**tx)
-        .await?
-        .ok_or(Error::NotFound)?;
-    let before = state_of(&call)?;
-    let after = before
-        .apply(input)
-        .map_err(|e| Error::Conflict(e.to_string()))?;
-    let mut events = Vec::new();
-    // Waiting for a person and being allowed are told by the interaction's
-    // own events.
-    if !matches!(input, ToolInput::Await | ToolInput::Allow) {
-        events.push(tool_event(event_for(after), row.id, call.id, &call.name));
-    }
-    let part_id = call.part_id;
-    let mut active: tool_call::ActiveModel = call.into();
-    set_state(&mut active, after);
-    fill(&mut active, after);
-    let saved = active.update(&**tx).await?;
-    events.push(runs::part_touched(tx, row, part_id).await?);
-    Ok((saved, events))
-}
-
-pub(super) fn set_state(active: &mut tool_call::ActiveModel, state: ToolCallState) {
-    active.status = Set(state.status.as_str().to_owned());
-    active.attempt = Set(state.attempt as i32);
-    active.outcome = Set(state.outcome.map(|o| o.as_str().to_owned()));
-    if state.is_terminal() {
-        active.ended_at = Set(Some(now_millis()));
-    }
-}
-
-fn event_for(state: ToolCallState) -> EventKind {
-    match (state.status, state.outcome) {
-        (ToolCallStatus::Executing, _) => EventKind::ToolStarted,
-        (_, Some(ToolOutcome::Succeeded)) => EventKind::ToolCompleted,
-        _ => EventKind::ToolFailed,
-    }
 }
 
 /// Commits the call `EXECUTING` before its effect starts: its first start,
@@ -322,56 +260,4 @@ pub async fn indeterminate(
         },
     )
     .await
-}
-
-/// Gives every unfinished call of an ending run its one result: a started
-/// call `INTERRUPTED`, an unstarted one `NOT_STARTED`.
-pub(crate) async fn close_unfinished(tx: &WriteTx, row: &run::Model) -> Result<Vec<NewEvent>> {
-    let open_calls = tool_call::Entity::find()
-        .filter(tool_call::Column::RunId.eq(row.id))
-        .filter(tool_call::Column::Status.is_not_in([
-            ToolCallStatus::Completed.as_str(),
-            ToolCallStatus::Indeterminate.as_str(),
-        ]))
-        .order_by_asc(tool_call::Column::Step)
-        .order_by_asc(tool_call::Column::Idx)
-        .all(&**tx)
-        .await?;
-    let mut events = Vec::new();
-    for call in open_calls {
-        let state = state_of(&call)?
-            .apply(ToolInput::Cancel)
-            .map_err(|e| Error::Conflict(e.to_string()))?;
-        events.push(tool_event(
-            EventKind::ToolFailed,
-            row.id,
-            call.id,
-            &call.name,
-        ));
-        let part_id = call.part_id;
-        let mut active: tool_call::ActiveModel = call.into();
-        set_state(&mut active, state);
-        if let Some(outcome) = state.outcome {
-            active.output = Set(Some(closing_output(outcome)));
-        }
-        active.update(&**tx).await?;
-        events.push(runs::part_touched(tx, row, part_id).await?);
-    }
-    Ok(events)
-}
-
-pub(super) fn tool_event(
-    kind: EventKind,
-    run_id: Uuid,
-    tool_call_id: Uuid,
-    name: &str,
-) -> NewEvent {
-    NewEvent {
-        kind,
-        run_id: Some(run_id),
-        body: EventBody::Tool {
-            tool_call_id,
-            tool_name: name.to_owned(),
-        },
-    }
 }

@@ -12,10 +12,12 @@ use tether::config::FileConfig;
 use tether::domain::ActiveRunStrategy;
 use tether::domain::event::EventKind;
 use tether::runtime::{Runtime, RuntimeOptions};
-use tether::store::commands::{self, Actor, NewConversation, NewMessage};
+use tether::store::Actor;
+use tether::store::commands::{self, NewConversation, NewMessage};
+use tether::store::commit::{Begun, Lease, PartText};
 use tether::store::entities::run;
 use tether::store::queue::{self, Reclaim};
-use tether::store::runs::{self, Lease};
+use tether::store::runs;
 use tether::store::{Error, Store, reads};
 use uuid::Uuid;
 
@@ -35,8 +37,8 @@ stream_delay_ms = 0
 "#;
 
 /// The begun text part with `text` in it.
-fn texts(begun: &runs::Begun, text: &str) -> Vec<runs::PartText> {
-    vec![runs::PartText {
+fn texts(begun: &Begun, text: &str) -> Vec<PartText> {
+    vec![PartText {
         part: begun.part.expect("a first claim opens a text part"),
         text: text.to_owned(),
         data: None,

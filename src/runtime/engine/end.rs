@@ -11,9 +11,10 @@ use super::{Next, Steps, Stop};
 use crate::config::{AgentConfig, Limits};
 use crate::domain::retry::RetryPolicy;
 use crate::domain::run::{EndCause, RunError, Usage};
+use crate::failpoints;
 use crate::providers::ProviderError;
-use crate::runtime::failpoints;
-use crate::store::runs::{self, Ending, Lease, RetryAfterFailure};
+use crate::store::commit::{Ending, Lease};
+use crate::store::runs::{self, RetryAfterFailure};
 use crate::store::{self, Store};
 
 impl Steps<'_> {

@@ -15,11 +15,13 @@ use crate::domain::cursor::Cursor;
 use crate::domain::event::{Event, EventBody, EventKind};
 use crate::domain::run::Usage;
 use crate::domain::time::now_millis;
+use crate::failpoints;
 use crate::providers::{ModelEvent, ModelRequest, Provider, ProviderError};
+use crate::runtime::compaction;
 use crate::runtime::history::{self, History};
-use crate::runtime::{compaction, failpoints};
+use crate::store::commit::{Begun, Lease, OpenPart, PartText, utf16_len};
 use crate::store::entities::run;
-use crate::store::runs::{self, Begun, Compaction, Lease, OpenPart, PartText, utf16_len};
+use crate::store::runs::{self, Compaction};
 use crate::store::{self, Store};
 
 /// The most model events merged into one delta.

@@ -13,10 +13,11 @@ use super::{Control, Next, Steps, Stop};
 use crate::config::FileConfig;
 use crate::domain::run::EndCause;
 use crate::domain::time::secs_to_millis;
+use crate::failpoints;
 use crate::providers;
-use crate::runtime::failpoints;
-use crate::store::entities::run;
-use crate::store::runs::{self, Lease};
+use crate::store::commit::{Begun, Lease};
+use crate::store::queue;
+use crate::store::runs;
 use crate::store::tool_calls;
 use crate::store::{self, Store};
 use crate::tools::registry::Registry;
@@ -25,17 +26,17 @@ pub async fn execute(
     store: Store,
     config: Arc<FileConfig>,
     tools: Arc<Registry>,
-    claimed: run::Model,
+    claimed: queue::Claimed,
     control: Arc<Control>,
 ) {
-    let lease = Lease::of(&claimed);
+    let lease = Lease::of(&claimed.run);
     let span = tracing::info_span!(
         "run",
         run_id = %lease.run_id,
         conversation_id = %lease.conversation_id,
         epoch = lease.epoch
     );
-    match drive(&store, &config, &tools, &lease, &control)
+    match drive(&store, &config, &tools, &lease, claimed.begun, &control)
         .instrument(span.clone())
         .await
     {
@@ -56,11 +57,17 @@ async fn drive(
     config: &FileConfig,
     tools: &Registry,
     lease: &Lease,
+    begun: Option<Begun>,
     control: &Control,
 ) -> store::Result<()> {
-    failpoints::hit("after_claim");
-    // Run start.
-    let begun = runs::begin(store, lease).await?;
+    // Run start: done with the claim where it could be its first commit.
+    let begun = match begun {
+        Some(begun) => begun,
+        None => {
+            failpoints::hit("after_claim");
+            runs::begin(store, lease).await?
+        }
+    };
     failpoints::hit("after_begin");
     let run = &begun.run;
     let mut attempt = Attempt::new(&begun);

@@ -1,0 +1,134 @@
+//! A tool call's state change inside a caller's fenced transaction, checked
+//! against the call's state machine and announced with its events.
+
+use sea_orm::ActiveValue::Set;
+use sea_orm::{ActiveModelTrait, ColumnTrait, EntityTrait, QueryFilter, QueryOrder, QuerySelect};
+use uuid::Uuid;
+
+use super::WriteTx;
+use super::parts::part_touched;
+use crate::domain::event::{EventBody, EventKind, NewEvent};
+use crate::domain::time::now_millis;
+use crate::domain::tool_call::{
+    ToolCallState, ToolCallStatus, ToolInput, ToolOutcome, closing_output,
+};
+use crate::store::entities::{run, tool_call};
+use crate::store::{Error, Result, parse_stored};
+
+pub fn state_of(call: &tool_call::Model) -> Result<ToolCallState> {
+    Ok(ToolCallState {
+        status: parse_stored(&call.status, "tool call status")?,
+        attempt: call.attempt.max(0) as u32,
+        outcome: call
+            .outcome
+            .as_deref()
+            .map(|o| parse_stored(o, "tool call outcome"))
+            .transpose()?,
+    })
+}
+
+/// `change` inside a caller's fenced transaction; returns the call and the
+/// events to append.
+pub(in crate::store) async fn change_in(
+    tx: &WriteTx,
+    row: &run::Model,
+    call_id: Uuid,
+    input: ToolInput,
+    fill: impl FnOnce(&mut tool_call::ActiveModel, ToolCallState),
+) -> Result<(tool_call::Model, Vec<NewEvent>)> {
+    let call = tool_call::Entity::find_by_id(call_id)
+        .filter(tool_call::Column::RunId.eq(row.id))
+        .lock_exclusive()
+        .one(&**tx)
+        .await?
+        .ok_or(Error::NotFound)?;
+    let before = state_of(&call)?;
+    let after = before
+        .apply(input)
+        .map_err(|e| Error::Conflict(e.to_string()))?;
+    let mut events = Vec::new();
+    // Waiting for a person and being allowed are told by the interaction's
+    // own events.
+    if !matches!(input, ToolInput::Await | ToolInput::Allow) {
+        events.push(tool_event(event_for(after), row.id, call.id, &call.name));
+    }
+    let part_id = call.part_id;
+    let mut active: tool_call::ActiveModel = call.into();
+    set_state(&mut active, after);
+    fill(&mut active, after);
+    let saved = active.update(&**tx).await?;
+    events.push(part_touched(tx, row, part_id).await?);
+    Ok((saved, events))
+}
+
+fn set_state(active: &mut tool_call::ActiveModel, state: ToolCallState) {
+    active.status = Set(state.status.as_str().to_owned());
+    active.attempt = Set(state.attempt as i32);
+    active.outcome = Set(state.outcome.map(|o| o.as_str().to_owned()));
+    if state.is_terminal() {
+        active.ended_at = Set(Some(now_millis()));
+    }
+}
+
+fn event_for(state: ToolCallState) -> EventKind {
+    match (state.status, state.outcome) {
+        (ToolCallStatus::Executing, _) => EventKind::ToolStarted,
+        (_, Some(ToolOutcome::Succeeded)) => EventKind::ToolCompleted,
+        _ => EventKind::ToolFailed,
+    }
+}
+
+/// Gives every unfinished call of an ending run its one result: a started
+/// call `INTERRUPTED`, an unstarted one `NOT_STARTED`.
+pub(in crate::store) async fn close_unfinished(
+    tx: &WriteTx,
+    row: &run::Model,
+) -> Result<Vec<NewEvent>> {
+    let open_calls = tool_call::Entity::find()
+        .filter(tool_call::Column::RunId.eq(row.id))
+        .filter(tool_call::Column::Status.is_not_in([
+            ToolCallStatus::Completed.as_str(),
+            ToolCallStatus::Indeterminate.as_str(),
+        ]))
+        .order_by_asc(tool_call::Column::Step)
+        .order_by_asc(tool_call::Column::Idx)
+        .all(&**tx)
+        .await?;
+    let mut events = Vec::new();
+    for call in open_calls {
+        let state = state_of(&call)?
+            .apply(ToolInput::Cancel)
+            .map_err(|e| Error::Conflict(e.to_string()))?;
+        events.push(tool_event(
+            EventKind::ToolFailed,
+            row.id,
+            call.id,
+            &call.name,
+        ));
+        let part_id = call.part_id;
+        let mut active: tool_call::ActiveModel = call.into();
+        set_state(&mut active, state);
+        if let Some(outcome) = state.outcome {
+            active.output = Set(Some(closing_output(outcome)));
+        }
+        active.update(&**tx).await?;
+        events.push(part_touched(tx, row, part_id).await?);
+    }
+    Ok(events)
+}
+
+pub(in crate::store) fn tool_event(
+    kind: EventKind,
+    run_id: Uuid,
+    tool_call_id: Uuid,
+    name: &str,
+) -> NewEvent {
+    NewEvent {
+        kind,
+        run_id: Some(run_id),
+        body: EventBody::Tool {
+            tool_call_id,
+            tool_name: name.to_owned(),
+        },
+    }
+}

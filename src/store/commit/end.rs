@@ -1,0 +1,232 @@
+//! A step's end and a run's end inside a caller's fenced transaction: the
+//! step's events, the run's final status with its audit row, and everything
+//! the run left open closed (streaming parts, unfinished tool calls,
+//! pending interactions).
+
+use sea_orm::ActiveValue::Set;
+use sea_orm::{ActiveModelTrait, ColumnTrait, EntityTrait, QueryFilter, QueryOrder};
+use uuid::Uuid;
+
+use super::WriteTx;
+use super::calls::close_unfinished;
+use super::parts::{PartContent, add_part, part_event, part_event_for, utf16_len};
+use super::pending::cancel_pending;
+use crate::domain::event::{EventBody, EventKind, NewEvent};
+use crate::domain::run::{EndCause, RunError, RunInput, RunStatus, Usage, transition};
+use crate::domain::time::now_millis;
+use crate::domain::{PartKind, PartState};
+use crate::store::entities::{part, run, run_audit};
+use crate::store::{Error, Result, parse_stored};
+
+/// How a run ends, with what it used.
+#[derive(Debug, Clone)]
+pub struct Ending {
+    pub cause: EndCause,
+    pub error: Option<RunError>,
+    /// Which limit or stop condition ended the run, in words.
+    pub reason: Option<String>,
+    pub usage: Usage,
+    pub steps: i32,
+}
+
+/// Writes the usage and steps an ending reports onto the run's row.
+pub(in crate::store) fn apply_usage(row: &mut run::Model, ending: &Ending) {
+    row.steps = ending.steps;
+    row.input_tokens = ending.usage.input_tokens;
+    row.output_tokens = ending.usage.output_tokens;
+    row.cost_usd = ending.usage.cost_usd;
+}
+
+/// `run.checkpointed` when a step ends, and `usage.updated` when the run's
+/// usage moved from what `row` has.
+pub(in crate::store) fn step_events(
+    row: &run::Model,
+    usage: Usage,
+    step_ended: bool,
+) -> Vec<NewEvent> {
+    let mut events = Vec::new();
+    if step_ended {
+        events.push(NewEvent {
+            kind: EventKind::RunCheckpointed,
+            run_id: Some(row.id),
+            body: EventBody::Run {
+                status: RunStatus::Running,
+            },
+        });
+    }
+    if usage.input_tokens != row.input_tokens || usage.output_tokens != row.output_tokens {
+        events.push(NewEvent {
+            kind: EventKind::UsageUpdated,
+            run_id: Some(row.id),
+            body: EventBody::Usage { usage },
+        });
+    }
+    events
+}
+
+/// Ends a run inside `tx`: status by cause, the run's open parts closed, the
+/// audit row, and the final event. Used by workers and by the API alike.
+pub(in crate::store) async fn end(
+    tx: &WriteTx,
+    row: run::Model,
+    cause: EndCause,
+    error: Option<RunError>,
+) -> Result<Vec<NewEvent>> {
+    let (events, _) = close_streaming_parts(tx, row.id, false).await?;
+    end_closed(tx, row, cause, error, None, events).await
+}
+
+/// `end` for a caller that has closed the run's parts itself. Every tool
+/// call still without a result gets one here.
+pub(in crate::store) async fn end_closed(
+    tx: &WriteTx,
+    row: run::Model,
+    cause: EndCause,
+    error: Option<RunError>,
+    reason: Option<String>,
+    mut events: Vec<NewEvent>,
+) -> Result<Vec<NewEvent>> {
+    events.extend(close_unfinished(tx, &row).await?);
+    events.extend(cancel_pending(tx, &row).await?);
+    let from: RunStatus = parse_stored(&row.status, "run status")?;
+    let to = transition(from, RunInput::End(cause)).map_err(|e| Error::Conflict(e.to_string()))?;
+    let now = now_millis();
+    let active_ms = if from == RunStatus::Running {
+        row.active_ms + (now - row.claimed_at.unwrap_or(now)).max(0)
+    } else {
+        row.active_ms
+    };
+    run_audit::ActiveModel {
+        run_id: Set(row.id),
+        tenant: Set(row.tenant.clone()),
+        conversation_id: Set(row.conversation_id),
+        status: Set(to.as_str().to_owned()),
+        end_cause: Set(cause.as_str().to_owned()),
+        steps: Set(row.steps),
+        input_tokens: Set(row.input_tokens),
+        output_tokens: Set(row.output_tokens),
+        cost_usd: Set(row.cost_usd),
+        active_ms: Set(active_ms),
+        recoveries: Set(row.recoveries),
+        ended_at: Set(now),
+    }
+    .insert(&**tx)
+    .await?;
+    let run_id = row.id;
+    let error = match error {
+        Some(error) => {
+            Some(serde_json::to_value(&error).map_err(|e| Error::Corrupt(e.to_string()))?)
+        }
+        None => None,
+    };
+    let mut active: run::ActiveModel = row.clone().into();
+    // Everything the caller changed on the row is written too.
+    active.steps = Set(row.steps);
+    active.input_tokens = Set(row.input_tokens);
+    active.output_tokens = Set(row.output_tokens);
+    active.cost_usd = Set(row.cost_usd);
+    active.status = Set(to.as_str().to_owned());
+    active.end_cause = Set(Some(cause.as_str().to_owned()));
+    active.end_reason = Set(reason);
+    active.error = Set(error);
+    active.ended_at = Set(Some(now));
+    active.next_attempt_at = Set(None);
+    active.active_ms = Set(active_ms);
+    clear_lease(&mut active);
+    active.update(&**tx).await?;
+    events.extend(NewEvent::run_status(run_id, to));
+    Ok(events)
+}
+
+/// No worker holds the run any more; the epoch moves on so a late writer of
+/// the last claim is fenced.
+pub(in crate::store) fn clear_lease(active: &mut run::ActiveModel) {
+    let epoch = match &active.lease_epoch {
+        sea_orm::ActiveValue::Set(v) | sea_orm::ActiveValue::Unchanged(v) => *v,
+        sea_orm::ActiveValue::NotSet => 0,
+    };
+    active.lease_epoch = Set(epoch + 1);
+    active.lease_owner = Set(None);
+    active.lease_expires_at = Set(None);
+    active.claimed_at = Set(None);
+}
+
+/// Parts of this run still streaming belong to an attempt that was cut off:
+/// they are closed, marked abandoned (never sent to the model again), and a
+/// `NOTICE` follows them.
+pub(in crate::store) async fn abandon_open_parts(
+    tx: &WriteTx,
+    run_id: Uuid,
+) -> Result<Vec<NewEvent>> {
+    abandon_open_parts_with(tx, run_id, INTERRUPTED_NOTICE).await
+}
+
+const INTERRUPTED_NOTICE: &str = "The response above was interrupted and is starting again.";
+
+pub(in crate::store) async fn abandon_open_parts_with(
+    tx: &WriteTx,
+    run_id: Uuid,
+    notice: &str,
+) -> Result<Vec<NewEvent>> {
+    let (mut events, last) = close_streaming_parts(tx, run_id, true).await?;
+    let Some(message_id) = last else {
+        return Ok(events);
+    };
+    let run = run::Entity::find_by_id(run_id)
+        .one(&**tx)
+        .await?
+        .ok_or(Error::NotFound)?;
+    let content = PartContent {
+        kind: PartKind::Notice,
+        state: PartState::Done,
+        text: Some(notice),
+        data: None,
+    };
+    let notice = add_part(tx, &run, message_id, content).await?;
+    events.push(part_event(
+        EventKind::PartAdded,
+        &run,
+        &notice,
+        notice.text.as_deref().map(utf16_len),
+    )?);
+    Ok(events)
+}
+
+/// Closes the run's streaming parts as they are (`abandoned` when their
+/// attempt was cut off). Returns their events and the message of the last.
+async fn close_streaming_parts(
+    tx: &WriteTx,
+    run_id: Uuid,
+    abandoned: bool,
+) -> Result<(Vec<NewEvent>, Option<Uuid>)> {
+    let mut events = Vec::new();
+    let mut last_message = None;
+    for row in streaming_parts(tx, run_id).await? {
+        let length = row.text.as_deref().map(utf16_len);
+        last_message = Some(row.message_id);
+        let mut active: part::ActiveModel = row.into();
+        active.state = Set(PartState::Done.as_str().to_owned());
+        if abandoned {
+            active.abandoned = Set(true);
+        }
+        active.updated_at = Set(now_millis());
+        let saved = active.update(&**tx).await?;
+        events.push(part_event_for(
+            EventKind::PartUpdated,
+            run_id,
+            &saved,
+            length,
+        )?);
+    }
+    Ok((events, last_message))
+}
+
+async fn streaming_parts(tx: &WriteTx, run_id: Uuid) -> Result<Vec<part::Model>> {
+    Ok(part::Entity::find()
+        .filter(part::Column::RunId.eq(run_id))
+        .filter(part::Column::State.eq(PartState::Streaming.as_str()))
+        .order_by_asc(part::Column::MessageId)
+        .order_by_asc(part::Column::Idx)
+        .all(&**tx)
+        .await?)
+}

@@ -1,0 +1,206 @@
+//! Parts: a message's pieces (streamed text, reasoning, tool calls, pauses),
+//! appended and saved inside a caller's fenced transaction.
+
+use sea_orm::ActiveValue::Set;
+use sea_orm::sea_query::Expr;
+use sea_orm::{ActiveModelTrait, ColumnTrait, EntityTrait, QueryFilter, QueryOrder};
+use uuid::Uuid;
+
+use super::WriteTx;
+use crate::domain::event::{EventBody, EventKind, NewEvent};
+use crate::domain::time::now_millis;
+use crate::domain::{MessageRole, PartKind, PartState};
+use crate::store::entities::{message, part, run};
+use crate::store::{Error, Result, parse_stored};
+
+/// A part the worker streams into.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct OpenPart {
+    pub id: Uuid,
+    pub message_id: Uuid,
+    pub index: i32,
+    pub kind: PartKind,
+}
+
+/// A streamed part with its text so far, and data to keep with it (a
+/// reasoning block's signature).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PartText {
+    pub part: OpenPart,
+    pub text: String,
+    pub data: Option<serde_json::Value>,
+}
+
+/// Text length as clients count it: UTF-16 code units.
+pub fn utf16_len(text: &str) -> i64 {
+    text.encode_utf16().count() as i64
+}
+
+/// The run's assistant message (made by its first `begin`).
+pub(in crate::store) async fn assistant_message(tx: &WriteTx, row: &run::Model) -> Result<Uuid> {
+    message::Entity::find()
+        .filter(message::Column::RunId.eq(row.id))
+        .filter(message::Column::Role.eq(MessageRole::Assistant.as_str()))
+        .one(&**tx)
+        .await?
+        .map(|m| m.id)
+        .ok_or(Error::NotFound)
+}
+
+/// Writes the parts' texts in `state`, returning their `part.updated`.
+pub(in crate::store) async fn save_parts(
+    tx: &WriteTx,
+    row: &run::Model,
+    parts: &[PartText],
+    state: PartState,
+) -> Result<Vec<NewEvent>> {
+    let mut events = Vec::with_capacity(parts.len());
+    for streamed in parts {
+        let saved = update_part(tx, streamed, state).await?;
+        events.push(part_event(
+            EventKind::PartUpdated,
+            row,
+            &saved,
+            Some(utf16_len(&streamed.text)),
+        )?);
+    }
+    Ok(events)
+}
+
+/// Marks a part changed (its tool call moved on) and says `part.updated`.
+pub(in crate::store) async fn part_touched(
+    tx: &WriteTx,
+    run: &run::Model,
+    part_id: Uuid,
+) -> Result<NewEvent> {
+    let touched = part::Entity::update_many()
+        .col_expr(part::Column::UpdatedAt, Expr::value(now_millis()))
+        .filter(part::Column::Id.eq(part_id))
+        .exec_with_returning(&**tx)
+        .await?
+        .pop()
+        .ok_or(Error::NotFound)?;
+    part_event(EventKind::PartUpdated, run, &touched, None)
+}
+
+/// What a new part holds.
+pub(in crate::store) struct PartContent<'a> {
+    pub kind: PartKind,
+    pub state: PartState,
+    pub text: Option<&'a str>,
+    pub data: Option<serde_json::Value>,
+}
+
+impl PartContent<'static> {
+    /// An empty part that text will stream into.
+    pub(in crate::store) fn streaming(kind: PartKind) -> Self {
+        PartContent {
+            kind,
+            state: PartState::Streaming,
+            text: Some(""),
+            data: None,
+        }
+    }
+
+    /// A finished part with data only (a tool call, a question, an
+    /// approval).
+    pub(in crate::store) fn data(kind: PartKind, data: serde_json::Value) -> Self {
+        PartContent {
+            kind,
+            state: PartState::Done,
+            text: None,
+            data: Some(data),
+        }
+    }
+}
+
+/// Adds a part after the message's last one.
+pub(in crate::store) async fn add_part(
+    tx: &WriteTx,
+    run: &run::Model,
+    message_id: Uuid,
+    content: PartContent<'_>,
+) -> Result<part::Model> {
+    let index = next_index(tx, message_id).await?;
+    insert_part(tx, run, message_id, index, content).await
+}
+
+pub(in crate::store) async fn next_index(tx: &WriteTx, message_id: Uuid) -> Result<i32> {
+    let last: Option<part::Model> = part::Entity::find()
+        .filter(part::Column::MessageId.eq(message_id))
+        .order_by_desc(part::Column::Idx)
+        .one(&**tx)
+        .await?;
+    Ok(last.map_or(0, |p| p.idx + 1))
+}
+
+pub(in crate::store) async fn insert_part(
+    tx: &WriteTx,
+    run: &run::Model,
+    message_id: Uuid,
+    index: i32,
+    content: PartContent<'_>,
+) -> Result<part::Model> {
+    let now = now_millis();
+    Ok(part::ActiveModel {
+        id: Set(Uuid::now_v7()),
+        message_id: Set(message_id),
+        conversation_id: Set(run.conversation_id),
+        tenant: Set(run.tenant.clone()),
+        idx: Set(index),
+        kind: Set(content.kind.as_str().to_owned()),
+        state: Set(content.state.as_str().to_owned()),
+        text: Set(content.text.map(str::to_owned)),
+        data: Set(content.data),
+        created_at: Set(now),
+        updated_at: Set(now),
+        run_id: Set(Some(run.id)),
+        abandoned: Set(false),
+        step: Set(run.steps),
+    }
+    .insert(&**tx)
+    .await?)
+}
+
+async fn update_part(tx: &WriteTx, streamed: &PartText, state: PartState) -> Result<part::Model> {
+    let mut update = part::Entity::update_many()
+        .col_expr(part::Column::Text, Expr::value(streamed.text.as_str()))
+        .col_expr(part::Column::State, Expr::value(state.as_str()))
+        .col_expr(part::Column::UpdatedAt, Expr::value(now_millis()));
+    if let Some(data) = &streamed.data {
+        update = update.col_expr(part::Column::Data, Expr::value(data.clone()));
+    }
+    update
+        .filter(part::Column::Id.eq(streamed.part.id))
+        .exec_with_returning(&**tx)
+        .await?
+        .pop()
+        .ok_or(Error::NotFound)
+}
+
+pub(in crate::store) fn part_event(
+    kind: EventKind,
+    run: &run::Model,
+    part: &part::Model,
+    text_length: Option<i64>,
+) -> Result<NewEvent> {
+    part_event_for(kind, run.id, part, text_length)
+}
+
+pub(in crate::store) fn part_event_for(
+    kind: EventKind,
+    run_id: Uuid,
+    part: &part::Model,
+    text_length: Option<i64>,
+) -> Result<NewEvent> {
+    Ok(NewEvent {
+        kind,
+        run_id: Some(run_id),
+        body: EventBody::Part {
+            message_id: part.message_id,
+            part_id: part.id,
+            kind: parse_stored(&part.kind, "part kind")?,
+            text_length,
+        },
+    })
+}
