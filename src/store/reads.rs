@@ -190,13 +190,18 @@ pub async fn unended_runs<C: ConnectionTrait>(
     tenant: &str,
     conversation_id: Uuid,
 ) -> Result<Vec<run::Model>> {
-    Ok(run::Entity::find()
+    // Sorted here, not in SQL: with an `ORDER BY id` SQLite walks the
+    // `(conversation_id, id)` index through every run the conversation ever
+    // had to save a sort, instead of reading the few unended ones from
+    // `(conversation_id, status, id)`.
+    let mut rows = run::Entity::find()
         .filter(run::Column::Tenant.eq(tenant))
         .filter(run::Column::ConversationId.eq(conversation_id))
         .filter(run::Column::Status.is_in(RunStatus::not_ended().map(RunStatus::as_str)))
-        .order_by(run::Column::Id, Order::Asc)
         .all(db)
-        .await?)
+        .await?;
+    rows.sort_by_key(|row| row.id);
+    Ok(rows)
 }
 
 /// Persisted events after `after`, oldest first, at most `limit`.

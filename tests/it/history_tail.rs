@@ -483,3 +483,96 @@ async fn a_summary_through_an_unknown_message_is_read_as_before() {
     assert_eq!(got.sources[1..], whole.sources[..]);
     assert_eq!(got.turns[1..], whole.turns[..]);
 }
+
+/// On SQLite, whose plans do not depend on statistics, the reads of a step's
+/// history, of `Conversation.messages` and `activeRun`, of the event log,
+/// and a step's look-up of its assistant message each search an index
+/// (these statements are the ones `store::reads` and the commits issue,
+/// with literals for parameters). PostgreSQL chooses by its statistics;
+/// what it chose is in docs/runs.md, "Reads and their indexes".
+#[tokio::test]
+async fn the_reads_of_a_step_and_of_a_page_search_indexes() {
+    let db = TestDb::new().await;
+    let (c, ..) = queued_conversation(&db).await;
+    let store = &c.store;
+    if store.backend() != DatabaseBackend::Sqlite {
+        return;
+    }
+    let unended = "('QUEUED','RUNNING','RETRY_PENDING','WAITING_FOR_INPUT',\
+                   'WAITING_FOR_APPROVAL','WAITING_FOR_CONNECTION')";
+    let reads = [
+        (
+            "SELECT * FROM summaries WHERE tenant = 'a' AND conversation_id = 'c' \
+             AND run_id <= 'r' ORDER BY id DESC LIMIT 1",
+            "summaries_conversation (conversation_id=?)",
+        ),
+        (
+            "SELECT * FROM messages WHERE tenant = 'a' AND conversation_id = 'c' \
+             AND id >= 'm' ORDER BY id ASC",
+            "messages_conversation_id (conversation_id=? AND id>?)",
+        ),
+        (
+            "SELECT * FROM messages WHERE tenant = 'a' AND conversation_id = 'c' \
+             AND id < 'm' ORDER BY id DESC LIMIT 50",
+            "messages_conversation_id (conversation_id=? AND id<?)",
+        ),
+        (
+            "SELECT * FROM parts WHERE tenant = 'a' AND message_id IN ('m', 'n') \
+             ORDER BY message_id ASC, idx ASC",
+            "parts_message_idx (message_id=?)",
+        ),
+        (
+            "SELECT * FROM tool_calls WHERE tenant = 'a' AND part_id IN ('p', 'q')",
+            "tool_calls_part (part_id=?)",
+        ),
+        (
+            "SELECT * FROM interactions WHERE tenant = 'a' AND part_id IN ('p', 'q')",
+            "interactions_part (part_id=?)",
+        ),
+        (
+            "SELECT * FROM events WHERE tenant = 'a' AND conversation_id = 'c' \
+             AND seq > 5 ORDER BY seq ASC LIMIT 100",
+            "(conversation_id=? AND seq>?)",
+        ),
+        (
+            "SELECT * FROM messages WHERE run_id = 'r' AND role = 'ASSISTANT' LIMIT 1",
+            "messages_run (run_id=?)",
+        ),
+        (
+            &format!(
+                "SELECT * FROM runs WHERE tenant = 'a' AND conversation_id = 'c' \
+                 AND status IN {unended}"
+            ),
+            "runs_conversation_status (conversation_id=? AND status=?)",
+        ),
+        (
+            &format!(
+                "SELECT 1 FROM runs r WHERE r.status = 'QUEUED' AND NOT EXISTS \
+                 (SELECT 1 FROM runs o WHERE o.conversation_id = r.conversation_id \
+                 AND o.id < r.id AND o.status IN {unended})"
+            ),
+            "runs_conversation_status (conversation_id=? AND status=? AND id<?)",
+        ),
+    ];
+    for (sql, index) in reads {
+        let plan: Vec<String> = store
+            .db()
+            .query_all_raw(sea_orm::Statement::from_string(
+                DatabaseBackend::Sqlite,
+                format!("EXPLAIN QUERY PLAN {sql}"),
+            ))
+            .await
+            .unwrap()
+            .iter()
+            .map(|row| row.try_get_by_index::<String>(3).unwrap())
+            .collect();
+        assert!(
+            plan.iter().all(|step| !step.starts_with("SCAN")),
+            "{sql}: {plan:?}"
+        );
+        assert!(
+            plan.iter().any(|step| step.contains(index)),
+            "{sql}: {plan:?}"
+        );
+    }
+}
