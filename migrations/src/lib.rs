@@ -11,6 +11,7 @@ mod m0003_summaries;
 mod m0004_tool_calls;
 mod m0005_interactions;
 mod m0006_connections;
+mod m0007_read_indexes;
 mod shape;
 
 pub struct Migrator;
@@ -25,6 +26,7 @@ impl MigratorTrait for Migrator {
             Box::new(m0004_tool_calls::Migration),
             Box::new(m0005_interactions::Migration),
             Box::new(m0006_connections::Migration),
+            Box::new(m0007_read_indexes::Migration),
         ]
     }
 }

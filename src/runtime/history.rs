@@ -45,6 +45,13 @@ impl History {
 /// belongs to this run or to one before it.) Abandoned attempts, notices
 /// and errors are shown to people, never to the model; reasoning goes back
 /// only with its signature.
+///
+/// Only what the request needs is read: with a summary, the messages from
+/// the question whose pair it ends in (see `after_summary`), and the parts,
+/// tool calls and questions of the messages that follow the summary, each
+/// by index. Without one, every message: compaction, which decides from the
+/// whole history whether to summarize and summarizes all but the latest
+/// turns, needs all of them.
 pub async fn load(store: &Store, run: &run::Model) -> Result<History> {
     let db = store.db();
     let latest_summary = summary::Entity::find()
@@ -54,12 +61,28 @@ pub async fn load(store: &Store, run: &run::Model) -> Result<History> {
         .order_by_desc(summary::Column::Id)
         .one(db)
         .await?;
-    let messages = reads::messages(db, &run.tenant, run.conversation_id, None, None).await?;
-    let ids: Vec<Uuid> = messages.iter().map(|m| m.id).collect();
-    let mut parts = reads::parts_of(db, &run.tenant, &ids).await?;
-    let mut calls = reads::tool_calls_by_part(db, &run.tenant, run.conversation_id).await?;
-    let mut asked = reads::interactions_by_part(db, &run.tenant, run.conversation_id).await?;
+    let tail = match &latest_summary {
+        Some(summary) => after_summary(store, run, summary).await?,
+        None => None,
+    };
+    let ordered = match tail {
+        Some(tail) => tail,
+        None => {
+            let messages =
+                reads::messages(db, &run.tenant, run.conversation_id, None, None).await?;
+            let mut ordered = in_order(messages, run)?;
+            if let Some(summary) = &latest_summary {
+                drain_through(&mut ordered, summary.through_message_id);
+            }
+            ordered
+        }
+    };
+    build(store, run, latest_summary.as_ref(), ordered).await
+}
 
+/// Every user message up to the run's trigger, each followed by its reply,
+/// from `messages` in id order.
+fn in_order(messages: Vec<message::Model>, run: &run::Model) -> Result<Vec<message::Model>> {
     // Each user message with the reply of the run it started.
     let mut replies: HashMap<Uuid, message::Model> = HashMap::new();
     let mut questions = Vec::new();
@@ -80,16 +103,93 @@ pub async fn load(store: &Store, run: &run::Model) -> Result<History> {
         ordered.push(question);
         ordered.extend(reply);
     }
+    Ok(ordered)
+}
+
+/// Removes everything up to `through` (included), if it is there; whether
+/// it was.
+fn drain_through(ordered: &mut Vec<message::Model>, through: Uuid) -> bool {
+    match ordered.iter().position(|m| m.id == through) {
+        Some(at) => {
+            ordered.drain(..=at);
+            true
+        }
+        None => false,
+    }
+}
+
+/// The messages that follow `summary` in the history's order, read from
+/// the question of the pair its last message belongs to (a question, or a
+/// reply: both carry the id of the run the question started) onwards.
+///
+/// In the history's order a question is followed by its reply, whose id is
+/// later (it is made when its run starts), and the questions go by id: so
+/// what follows that question in the order is exactly the questions from it
+/// on and their replies, all of them at or after it by id. What else that
+/// range holds (replies to earlier questions, made after it because their
+/// messages were queued; messages after the run's own) has no question in
+/// it and is left out, as it would be from the whole. `None` when the
+/// summary's message cannot be placed so (it is gone, or not where a
+/// summary leaves it): the caller then reads everything, as before.
+async fn after_summary(
+    store: &Store,
+    run: &run::Model,
+    summary: &summary::Model,
+) -> Result<Option<Vec<message::Model>>> {
+    let db = store.db();
+    let Some(through) = reads::message(db, &run.tenant, summary.through_message_id).await? else {
+        return Ok(None);
+    };
+    if through.conversation_id != run.conversation_id {
+        return Ok(None);
+    }
+    let Some(pair_run) = through.run_id else {
+        return Ok(None);
+    };
+    let Some(pair_run) = reads::run(db, &run.tenant, pair_run).await? else {
+        return Ok(None);
+    };
+    let from = pair_run.trigger_message_id.min(through.id);
+    let messages = reads::messages_from(db, &run.tenant, run.conversation_id, from).await?;
+    let mut ordered = in_order(messages, run)?;
+    Ok(drain_through(&mut ordered, through.id).then_some(ordered))
+}
+
+/// The history of `ordered` messages (after the summary, if any), reading
+/// their parts, and the tool calls and questions those parts show.
+async fn build(
+    store: &Store,
+    run: &run::Model,
+    latest_summary: Option<&summary::Model>,
+    ordered: Vec<message::Model>,
+) -> Result<History> {
+    let db = store.db();
+    let ids: Vec<Uuid> = ordered.iter().map(|m| m.id).collect();
+    let mut parts = reads::parts_of(db, &run.tenant, &ids).await?;
+    // What the replies' steps look up: the tool call of any part they keep,
+    // the interaction of a question part.
+    let mut shown = Vec::new();
+    let mut questions = Vec::new();
+    for message in &ordered {
+        if message.role != MessageRole::Assistant.as_str() {
+            continue;
+        }
+        for part in parts.get(&message.id).into_iter().flatten() {
+            if part.abandoned {
+                continue;
+            }
+            shown.push(part.id);
+            if part.kind == PartKind::Question.as_str() {
+                questions.push(part.id);
+            }
+        }
+    }
+    let mut calls = reads::tool_calls_of_parts(db, &run.tenant, &shown).await?;
+    let mut asked = reads::interactions_of_parts(db, &run.tenant, &questions).await?;
 
     let mut history = History::default();
-    if let Some(summary) = &latest_summary {
+    if let Some(summary) = latest_summary {
         // Everything up to the message it was made through is replaced.
-        if let Some(at) = ordered
-            .iter()
-            .position(|m| m.id == summary.through_message_id)
-        {
-            ordered.drain(..=at);
-        }
         let text = format!("{SUMMARY_HEADING}\n{}", summary.text);
         history.push(Turn::text(MessageRole::User, text), None);
     }

@@ -15,6 +15,12 @@ use crate::domain::cursor::Cursor;
 use crate::domain::event::{Event, EventKind};
 use crate::domain::run::RunStatus;
 
+/// The most ids one `IN (…)` list binds: a model's history may name tens of
+/// thousands of messages or parts, past what a statement may bind (32,766
+/// variables on SQLite, 65,535 on PostgreSQL), so longer lists go in
+/// several statements.
+const IN_LIST_MAX: usize = 4_000;
+
 /// One row by id, only if it belongs to `tenant`.
 async fn owned<E, C>(
     db: &C,
@@ -99,6 +105,24 @@ pub async fn messages<C: ConnectionTrait>(
     Ok(rows)
 }
 
+/// A conversation's messages from `from` on (that one included), oldest
+/// first: a range of the `(conversation_id, id)` index, however long the
+/// conversation before it.
+pub async fn messages_from<C: ConnectionTrait>(
+    db: &C,
+    tenant: &str,
+    conversation_id: Uuid,
+    from: Uuid,
+) -> Result<Vec<message::Model>> {
+    Ok(message::Entity::find()
+        .filter(message::Column::Tenant.eq(tenant))
+        .filter(message::Column::ConversationId.eq(conversation_id))
+        .filter(message::Column::Id.gte(from))
+        .order_by(message::Column::Id, Order::Asc)
+        .all(db)
+        .await?)
+}
+
 pub async fn message<C: ConnectionTrait>(
     db: &C,
     tenant: &str,
@@ -107,25 +131,25 @@ pub async fn message<C: ConnectionTrait>(
     owned::<message::Entity, _>(db, message::Column::Tenant, tenant, id).await
 }
 
-/// The parts of several messages in one query, each message's in order.
+/// The parts of several messages in one query (per `IN_LIST_MAX` messages),
+/// each message's in order.
 pub async fn parts_of<C: ConnectionTrait>(
     db: &C,
     tenant: &str,
     message_ids: &[Uuid],
 ) -> Result<HashMap<Uuid, Vec<part::Model>>> {
     let mut grouped: HashMap<Uuid, Vec<part::Model>> = HashMap::new();
-    if message_ids.is_empty() {
-        return Ok(grouped);
-    }
-    let rows = part::Entity::find()
-        .filter(part::Column::Tenant.eq(tenant))
-        .filter(part::Column::MessageId.is_in(message_ids.iter().copied()))
-        .order_by(part::Column::MessageId, Order::Asc)
-        .order_by(part::Column::Idx, Order::Asc)
-        .all(db)
-        .await?;
-    for row in rows {
-        grouped.entry(row.message_id).or_default().push(row);
+    for chunk in message_ids.chunks(IN_LIST_MAX) {
+        let rows = part::Entity::find()
+            .filter(part::Column::Tenant.eq(tenant))
+            .filter(part::Column::MessageId.is_in(chunk.iter().copied()))
+            .order_by(part::Column::MessageId, Order::Asc)
+            .order_by(part::Column::Idx, Order::Asc)
+            .all(db)
+            .await?;
+        for row in rows {
+            grouped.entry(row.message_id).or_default().push(row);
+        }
     }
     Ok(grouped)
 }
@@ -166,13 +190,18 @@ pub async fn unended_runs<C: ConnectionTrait>(
     tenant: &str,
     conversation_id: Uuid,
 ) -> Result<Vec<run::Model>> {
-    Ok(run::Entity::find()
+    // Sorted here, not in SQL: with an `ORDER BY id` SQLite walks the
+    // `(conversation_id, id)` index through every run the conversation ever
+    // had to save a sort, instead of reading the few unended ones from
+    // `(conversation_id, status, id)`.
+    let mut rows = run::Entity::find()
         .filter(run::Column::Tenant.eq(tenant))
         .filter(run::Column::ConversationId.eq(conversation_id))
         .filter(run::Column::Status.is_in(RunStatus::not_ended().map(RunStatus::as_str)))
-        .order_by(run::Column::Id, Order::Asc)
         .all(db)
-        .await?)
+        .await?;
+    rows.sort_by_key(|row| row.id);
+    Ok(rows)
 }
 
 /// Persisted events after `after`, oldest first, at most `limit`.
@@ -216,20 +245,6 @@ pub fn run_status(row: &run::Model) -> Result<RunStatus> {
     parse_stored(&row.status, "run status")
 }
 
-/// A conversation's tool calls, by the part that shows each.
-pub async fn tool_calls_by_part<C: ConnectionTrait>(
-    db: &C,
-    tenant: &str,
-    conversation_id: Uuid,
-) -> Result<HashMap<Uuid, tool_call::Model>> {
-    let rows = tool_call::Entity::find()
-        .filter(tool_call::Column::Tenant.eq(tenant))
-        .filter(tool_call::Column::ConversationId.eq(conversation_id))
-        .all(db)
-        .await?;
-    Ok(rows.into_iter().map(|row| (row.part_id, row)).collect())
-}
-
 /// A run's tool calls, in the order the model asked for them.
 pub async fn tool_calls_of_run<C: ConnectionTrait>(
     db: &C,
@@ -245,7 +260,8 @@ pub async fn tool_calls_of_run<C: ConnectionTrait>(
         .await?)
 }
 
-/// The tool calls that `TOOL_CALL` parts show, by part, in one query.
+/// The tool calls that `TOOL_CALL` parts show, by part, in one query (per
+/// `IN_LIST_MAX` parts).
 pub async fn tool_calls_of_parts<C: ConnectionTrait>(
     db: &C,
     tenant: &str,
@@ -261,7 +277,8 @@ pub async fn tool_calls_of_parts<C: ConnectionTrait>(
     .await
 }
 
-/// Rows of `tenant` shown by the given parts, by part, in one query.
+/// Rows of `tenant` shown by the given parts, by part, in one query per
+/// `IN_LIST_MAX` parts.
 async fn by_part<E, C>(
     db: &C,
     (tenant_column, part_column): (E::Column, E::Column),
@@ -273,15 +290,16 @@ where
     E: EntityTrait,
     C: ConnectionTrait,
 {
-    if part_ids.is_empty() {
-        return Ok(HashMap::new());
+    let mut found = HashMap::new();
+    for chunk in part_ids.chunks(IN_LIST_MAX) {
+        let rows = E::find()
+            .filter(tenant_column.eq(tenant))
+            .filter(part_column.is_in(chunk.iter().copied()))
+            .all(db)
+            .await?;
+        found.extend(rows.into_iter().map(|row| (part_of(&row), row)));
     }
-    let rows = E::find()
-        .filter(tenant_column.eq(tenant))
-        .filter(part_column.is_in(part_ids.iter().copied()))
-        .all(db)
-        .await?;
-    Ok(rows.into_iter().map(|row| (part_of(&row), row)).collect())
+    Ok(found)
 }
 
 /// An interaction of the tenant.
@@ -319,7 +337,7 @@ pub async fn interactions_of_run<C: ConnectionTrait>(
 }
 
 /// The interactions that QUESTION and APPROVAL parts show, by part, in one
-/// query.
+/// query (per `IN_LIST_MAX` parts).
 pub async fn interactions_of_parts<C: ConnectionTrait>(
     db: &C,
     tenant: &str,
@@ -333,18 +351,4 @@ pub async fn interactions_of_parts<C: ConnectionTrait>(
         |row| row.part_id,
     )
     .await
-}
-
-/// A conversation's interactions, by the part that shows each.
-pub async fn interactions_by_part<C: ConnectionTrait>(
-    db: &C,
-    tenant: &str,
-    conversation_id: Uuid,
-) -> Result<HashMap<Uuid, interaction::Model>> {
-    let rows = interaction::Entity::find()
-        .filter(interaction::Column::Tenant.eq(tenant))
-        .filter(interaction::Column::ConversationId.eq(conversation_id))
-        .all(db)
-        .await?;
-    Ok(rows.into_iter().map(|row| (row.part_id, row)).collect())
 }

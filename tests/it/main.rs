@@ -11,6 +11,7 @@ mod cors;
 mod crash;
 mod downstream;
 mod fakes;
+mod history_tail;
 mod http_limits;
 mod identity_providers;
 mod input_limits;
