@@ -16,8 +16,9 @@ use tether::domain::tool_call::{ToolCallStatus, ToolOutcome};
 use tether::domain::{MessageRole, PartKind, PartState};
 use tether::providers::Turn;
 use tether::runtime::history::{self, History, SUMMARY_HEADING};
+use tether::store::Actor;
 use tether::store::Store;
-use tether::store::commands::{self, Actor, NewConversation, NewMessage};
+use tether::store::commands::{self, NewConversation, NewMessage};
 use tether::store::entities::{interaction, message, part, run, summary, tool_call};
 use uuid::Uuid;
 
