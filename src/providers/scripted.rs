@@ -1,7 +1,8 @@
 //! The built-in scripted model: deterministic and offline. It quotes the
 //! latest user message in a reply streamed in small chunks; a line of that
-//! message may direct it (`/hold SECONDS`, `/fail STATUS`, `/ask`, `/tool
-//! NAME {json}`, and the extension `/loop NAME {json}`).
+//! message may direct it (`/hold SECONDS`, `/fail STATUS`, `/stream
+//! TOKENS`, `/ask`, `/tool NAME {json}`, and the extension `/loop NAME
+//! {json}`).
 
 use std::time::Duration;
 
@@ -18,6 +19,11 @@ const CHUNK_CHARS: usize = 8;
 const HOLD_TICK: Duration = Duration::from_millis(100);
 /// The longest quote of the user's message, in characters.
 const QUOTE_CHARS: usize = 120;
+/// The most tokens `/stream` streams.
+const MAX_STREAM_TOKENS: usize = 1_000_000;
+/// What `/stream` streams, one word a token, in turn: four characters each,
+/// so that the usual estimate (characters / 4) counts one token a word.
+const STREAM_WORDS: [&str; 4] = ["one ", "two ", "six ", "ten "];
 
 pub struct Scripted {
     delay: Duration,
@@ -38,6 +44,9 @@ pub enum Directive {
     Hold(Duration),
     /// The first attempt fails as a provider would with this HTTP status.
     Fail(u16),
+    /// The reply is this many tokens, one chunk each, `stream_delay_ms`
+    /// apart, each handed over on its own (for measuring long streams).
+    Stream(usize),
     /// Calls these tools (one batch), then replies with their results.
     Tools(Vec<(String, Value)>),
     /// Calls this tool at every step and never replies (an extension for
@@ -110,6 +119,11 @@ pub fn directive(text: &str) -> Directive {
                 .ok()
                 .filter(|s| (400..=599).contains(s))
                 .map(Directive::Fail),
+            (Some("/stream"), Some(tokens)) => tokens
+                .parse::<usize>()
+                .ok()
+                .filter(|n| *n > 0)
+                .map(|n| Directive::Stream(n.min(MAX_STREAM_TOKENS))),
             _ => None,
         };
         if other.is_none() {
@@ -217,6 +231,13 @@ pub fn reply(request: &ModelRequest) -> String {
     )
 }
 
+/// The `/stream` reply of `tokens` tokens, one chunk a token.
+pub fn stream_tokens(tokens: usize) -> Vec<String> {
+    (0..tokens)
+        .map(|i| STREAM_WORDS[i % STREAM_WORDS.len()].to_owned())
+        .collect()
+}
+
 fn chunks(text: &str) -> Vec<String> {
     let chars: Vec<char> = text.chars().collect();
     chars
@@ -241,8 +262,13 @@ impl Provider for Scripted {
             .sum::<i64>()
             + request.system.as_deref().map_or(0, estimate_tokens);
         let mut calls = Vec::new();
+        let mut streamed = None;
         let hold = match directive(person) {
             Directive::Hold(duration) => duration,
+            Directive::Stream(tokens) if results.is_empty() => {
+                streamed = Some(stream_tokens(tokens));
+                Duration::ZERO
+            }
             Directive::Fail(status) if request.attempt <= 1 => return Err(failure(status)),
             Directive::Tools(tools) if results.is_empty() => {
                 calls = tools;
@@ -252,15 +278,28 @@ impl Provider for Scripted {
                 calls = vec![(name, input)];
                 Duration::ZERO
             }
-            Directive::Fail(_) | Directive::Reply | Directive::Tools(_) => Duration::ZERO,
+            Directive::Fail(_) | Directive::Reply | Directive::Tools(_) | Directive::Stream(_) => {
+                Duration::ZERO
+            }
         };
-        let text = if calls.is_empty() {
-            reply(&request)
-        } else {
-            let names: Vec<&str> = calls.iter().map(|(name, _)| name.as_str()).collect();
-            format!("Calling {}.", names.join(", "))
+        // `/stream` hands over each chunk as its own event, as chunks read
+        // from a network would come; the others come as fast as polled.
+        let one_by_one = streamed.is_some();
+        let (pieces, output_tokens) = match streamed {
+            Some(tokens) => {
+                let count = tokens.len() as i64;
+                (tokens, count)
+            }
+            None => {
+                let text = if calls.is_empty() {
+                    reply(&request)
+                } else {
+                    let names: Vec<&str> = calls.iter().map(|(name, _)| name.as_str()).collect();
+                    format!("Calling {}.", names.join(", "))
+                };
+                (chunks(&text), estimate_tokens(&text))
+            }
         };
-        let output_tokens = estimate_tokens(&text);
         let delay = self.delay;
         let stream = async_stream::stream! {
             yield Ok(ModelEvent::Usage { input_tokens, output_tokens: 0 });
@@ -271,9 +310,11 @@ impl Provider for Scripted {
                 yield Ok(ModelEvent::Text(format!("holding {tick}… ")));
                 tokio::time::sleep(HOLD_TICK).await;
             }
-            for chunk in chunks(&text) {
+            for chunk in pieces {
                 if !delay.is_zero() {
                     tokio::time::sleep(delay).await;
+                } else if one_by_one {
+                    tokio::task::yield_now().await;
                 }
                 yield Ok(ModelEvent::Text(chunk));
             }
@@ -361,6 +402,38 @@ mod tests {
         assert_eq!(
             directive("/loop a {}"),
             Directive::Loop("a".into(), json!({}))
+        );
+        assert_eq!(directive("/stream 10000"), Directive::Stream(10_000));
+        assert_eq!(
+            directive("/stream 99999999"),
+            Directive::Stream(MAX_STREAM_TOKENS)
+        );
+        assert_eq!(directive("/stream 0"), Directive::Reply);
+        assert_eq!(directive("/stream many"), Directive::Reply);
+    }
+
+    #[tokio::test]
+    async fn stream_streams_that_many_tokens_one_chunk_each() {
+        let events = events(texts(&[(MessageRole::User, "/stream 1000")])).await;
+        let chunks: Vec<&str> = events
+            .iter()
+            .filter_map(|e| match e {
+                ModelEvent::Text(t) => Some(t.as_str()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(chunks.len(), 1000);
+        assert!(chunks.iter().all(|c| estimate_tokens(c) == 1), "{chunks:?}");
+        assert_eq!(chunks.concat(), stream_tokens(1000).concat());
+        assert!(events.contains(&ModelEvent::Usage {
+            input_tokens: estimate_tokens("/stream 1000"),
+            output_tokens: 1000
+        }));
+        assert_eq!(
+            events.last(),
+            Some(&ModelEvent::Finished {
+                stop_reason: "end_turn".into()
+            })
         );
     }
 
