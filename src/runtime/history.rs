@@ -166,8 +166,9 @@ async fn build(
     let db = store.db();
     let ids: Vec<Uuid> = ordered.iter().map(|m| m.id).collect();
     let mut parts = reads::parts_of(db, &run.tenant, &ids).await?;
-    // What the replies' steps look up: the tool call of any part they keep,
-    // the interaction of a question part.
+    // What the replies' steps look up: the tool call of a tool call part
+    // they keep, the interaction of a question part. A history without
+    // either asks for neither.
     let mut shown = Vec::new();
     let mut questions = Vec::new();
     for message in &ordered {
@@ -178,7 +179,9 @@ async fn build(
             if part.abandoned {
                 continue;
             }
-            shown.push(part.id);
+            if part.kind == PartKind::ToolCall.as_str() {
+                shown.push(part.id);
+            }
             if part.kind == PartKind::Question.as_str() {
                 questions.push(part.id);
             }
