@@ -345,4 +345,57 @@ mod tests {
         assert_eq!(row.recoveries, 0);
         std::fs::remove_dir_all(dir).ok();
     }
+
+    #[tokio::test]
+    async fn on_sqlite_a_new_runs_claim_is_its_first_commit() {
+        let (store, dir) = temp_store().await;
+        let queued = queued_run(&store).await;
+        let before = store.write_transactions();
+        let taken = take(&store, "w", 60_000, 4).await.unwrap();
+        assert_eq!(store.write_transactions() - before, 1, "one transaction");
+        let [
+            Claimed {
+                run,
+                begun: Some(begun),
+            },
+        ] = taken.as_slice()
+        else {
+            panic!("one run, started: {taken:?}");
+        };
+        assert_eq!((run.id, run.lease_epoch), (queued.id, 1));
+        let log = crate::store::reads::events_after(
+            store.db(),
+            "acme",
+            run.conversation_id,
+            crate::domain::cursor::Cursor::START,
+            100,
+        )
+        .await
+        .unwrap();
+        let kinds: Vec<&str> = log.iter().map(|e| e.kind.as_str()).collect();
+        assert_eq!(
+            kinds,
+            [
+                "message.created",
+                "run.queued",
+                "message.created",
+                "part.added",
+                "run.started"
+            ]
+        );
+        assert_eq!(begun.cursor, log.last().unwrap().cursor);
+        assert!(begun.part.is_some());
+        // A run claimed again is left to its worker, which has an attempt
+        // to recover first.
+        let lease = Lease::of(run);
+        crate::store::runs::release(&store, &lease, &[])
+            .await
+            .unwrap();
+        let again = take(&store, "w", 60_000, 4).await.unwrap();
+        assert!(
+            matches!(again.as_slice(), [Claimed { begun: None, .. }]),
+            "{again:?}"
+        );
+        std::fs::remove_dir_all(dir).ok();
+    }
 }

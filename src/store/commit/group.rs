@@ -169,3 +169,121 @@ impl Store {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use futures_util::future::join_all;
+    use uuid::Uuid;
+
+    use super::*;
+    use crate::domain::MessageRole;
+    use crate::domain::cursor::Cursor;
+    use crate::domain::event::NewEvent;
+    use crate::store::reads;
+    use crate::store::test_support::{conversation, temp_store};
+
+    /// A writer that appends `events` events to a conversation of Ada's,
+    /// then fails when told to, after writing.
+    async fn append(
+        store: &Store,
+        conversation_id: Uuid,
+        events: usize,
+        fail: bool,
+    ) -> Result<Vec<Event>> {
+        let ((), committed) = store
+            .write(move |tx| {
+                Box::pin(async move {
+                    let locked = tx.lock_conversation(conversation_id, "acme").await?;
+                    let new = (0..events)
+                        .map(|_| NewEvent::message_created(Uuid::now_v7(), MessageRole::User, None))
+                        .collect();
+                    tx.append(&locked, new).await?;
+                    if fail {
+                        return Err(Error::Conflict("refused after writing".into()));
+                    }
+                    Ok(())
+                })
+            })
+            .await?;
+        Ok(committed)
+    }
+
+    /// Starts the writers while another write holds the lane, so that they
+    /// all queue, then lets them go.
+    async fn queued_behind_a_write(
+        store: &Store,
+        writers: Vec<(Uuid, usize, bool)>,
+    ) -> Vec<Result<Vec<Event>>> {
+        let held = store.begin_write().await.unwrap();
+        let pending = store.pending.clone().expect("SQLite groups its writes");
+        let count = writers.len();
+        let store = Arc::new(store.clone());
+        let tasks: Vec<_> = writers
+            .into_iter()
+            .map(|(id, events, fail)| {
+                let store = store.clone();
+                tokio::spawn(async move { append(&store, id, events, fail).await })
+            })
+            .collect();
+        while pending.parts.lock().unwrap().len() < count {
+            tokio::task::yield_now().await;
+        }
+        drop(held);
+        join_all(tasks)
+            .await
+            .into_iter()
+            .map(|t| t.unwrap())
+            .collect()
+    }
+
+    async fn log(store: &Store, conversation_id: Uuid) -> Vec<Event> {
+        reads::events_after(store.db(), "acme", conversation_id, Cursor::START, 1000)
+            .await
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn writers_ready_at_once_commit_in_one_transaction_each_with_its_own_events() {
+        let (store, dir) = temp_store().await;
+        let (a, b) = (conversation(&store).await.id, conversation(&store).await.id);
+        let before = store.write_transactions();
+        let results =
+            queued_behind_a_write(&store, vec![(a, 2, false), (b, 1, false), (a, 3, false)]).await;
+        // The held write, then one group for all three.
+        assert_eq!(store.write_transactions() - before, 2);
+        let results: Vec<Vec<Event>> = results.into_iter().map(Result::unwrap).collect();
+        assert_eq!(results.iter().map(Vec::len).collect::<Vec<_>>(), [2, 1, 3]);
+        assert!(results[1].iter().all(|e| e.conversation_id == b));
+        // In arrival order, gap-free within each conversation.
+        let cursors = |r: &Vec<Event>| r.iter().map(|e| e.cursor.0).collect::<Vec<_>>();
+        assert_eq!(cursors(&results[0]), [1, 2]);
+        assert_eq!(cursors(&results[1]), [1]);
+        assert_eq!(cursors(&results[2]), [3, 4, 5]);
+        assert_eq!(log(&store, a).await.len(), 5);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_writer_that_fails_in_a_group_undoes_nothing_of_the_others() {
+        let (store, dir) = temp_store().await;
+        let (a, b) = (conversation(&store).await.id, conversation(&store).await.id);
+        let results =
+            queued_behind_a_write(&store, vec![(a, 2, false), (b, 4, true), (a, 1, false)]).await;
+        assert!(
+            matches!(results[1], Err(Error::Conflict(_))),
+            "{:?}",
+            results[1]
+        );
+        let first = results[0].as_ref().unwrap();
+        let third = results[2].as_ref().unwrap();
+        assert_eq!(first.iter().map(|e| e.cursor.0).collect::<Vec<_>>(), [1, 2]);
+        assert_eq!(third.iter().map(|e| e.cursor.0).collect::<Vec<_>>(), [3]);
+        // Nothing of the failed writer was kept, all of the others was.
+        assert!(log(&store, b).await.is_empty());
+        let kept: Vec<i64> = log(&store, a).await.iter().map(|e| e.cursor.0).collect();
+        assert_eq!(kept, [1, 2, 3]);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}
