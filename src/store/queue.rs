@@ -36,14 +36,13 @@ pub struct Claimed {
     pub begun: Option<Begun>,
 }
 
-/// The dispatcher's claim. On SQLite the claim and the first commit of each
-/// run claimed for the first time are one transaction: the assistant
-/// message, the empty text part and `run.started` of every such run commit
-/// with the claim (the `after_claim` failpoint aborts before that commit).
-/// Elsewhere, and for a run claimed again (its worker's first commit has an
-/// attempt to recover), the claim commits alone: on PostgreSQL a claim
-/// locks runs before their conversations, the opposite order to the API's
-/// writes.
+/// The dispatcher's claim. On SQLite the claim is also each claimed run's
+/// first commit: the start of every run it takes (`commit::start`: an
+/// interrupted attempt closed, the assistant message, the text part,
+/// `run.started`) commits with the claim, and the `after_claim` failpoint
+/// aborts before that commit. On PostgreSQL the claim commits alone, and
+/// each worker starts its run in a commit of its own: a claim locks runs
+/// before their conversations, the opposite order to every other write.
 pub async fn take(store: &Store, owner: &str, lease_ms: i64, limit: usize) -> Result<Vec<Claimed>> {
     if store.backend() != DatabaseBackend::Sqlite {
         let claimed = claim(store, owner, lease_ms, limit).await?;
@@ -59,30 +58,22 @@ pub async fn take(store: &Store, owner: &str, lease_ms: i64, limit: usize) -> Re
     }
     let mut started = Vec::with_capacity(claimed.len());
     for row in &claimed {
-        if row.lease_epoch != 1 {
-            started.push(None);
-            continue;
-        }
         let mut events = Vec::new();
-        let (message_id, part) = commit::start_first(&tx, row, &mut events).await?;
+        started.push(commit::start(&tx, row, &mut events).await?);
         let log = Log {
             id: row.conversation_id,
             tenant: &row.tenant,
         };
         tx.append(log, events).await?;
-        started.push(Some((message_id, part)));
     }
     failpoints::hit("after_claim");
     let committed = store.commit(tx).await?;
     Ok(claimed
         .into_iter()
         .zip(started)
-        .map(|(run, started)| match started {
-            Some((message_id, part)) => Claimed {
-                begun: Some(Begun::first(run.clone(), message_id, part, &committed)),
-                run,
-            },
-            None => Claimed { run, begun: None },
+        .map(|(run, (message_id, part))| Claimed {
+            begun: Some(Begun::new(run.clone(), message_id, part, &committed)),
+            run,
         })
         .collect())
 }
@@ -347,7 +338,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn on_sqlite_a_new_runs_claim_is_its_first_commit() {
+    async fn on_sqlite_a_claim_is_its_runs_first_commit() {
         let (store, dir) = temp_store().await;
         let queued = queued_run(&store).await;
         let before = store.write_transactions();
@@ -385,17 +376,25 @@ mod tests {
         );
         assert_eq!(begun.cursor, log.last().unwrap().cursor);
         assert!(begun.part.is_some());
-        // A run claimed again is left to its worker, which has an attempt
-        // to recover first.
+        // A run claimed again is started with its claim too, in its one
+        // assistant message.
         let lease = Lease::of(run);
         crate::store::runs::release(&store, &lease, &[])
             .await
             .unwrap();
         let again = take(&store, "w", 60_000, 4).await.unwrap();
-        assert!(
-            matches!(again.as_slice(), [Claimed { begun: None, .. }]),
-            "{again:?}"
-        );
+        let [
+            Claimed {
+                begun: Some(resumed),
+                ..
+            },
+        ] = again.as_slice()
+        else {
+            panic!("one run, started: {again:?}");
+        };
+        assert_eq!(resumed.message_id, begun.message_id);
+        assert_eq!(resumed.run.lease_epoch, 3);
+        assert!(resumed.part.is_some());
         std::fs::remove_dir_all(dir).ok();
     }
 }

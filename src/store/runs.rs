@@ -10,69 +10,27 @@ use uuid::Uuid;
 
 use super::commit::{
     Begun, Ending, Lease, OpenPart, PartContent, PartText, abandon_open_parts,
-    abandon_open_parts_with, apply_usage, assistant_message, assistant_message_new, clear_lease,
-    end_closed, fence, insert_part, next_index, open, open_text_part, part_event, save_parts,
-    step_events, utf16_len,
+    abandon_open_parts_with, apply_usage, assistant_message, clear_lease, end_closed, fence,
+    insert_part, next_index, open, open_text_part, part_event, save_parts, start, step_events,
+    utf16_len,
 };
-use super::entities::{message, part, run, summary, tool_call};
+use super::entities::{part, run, summary};
 use super::{Error, Result, Store};
 use crate::domain::cursor::Cursor;
 use crate::domain::event::{EventBody, EventKind, NewEvent};
 use crate::domain::run::{RunError, RunInput, RunStatus, Usage, transition};
 use crate::domain::time::now_millis;
-use crate::domain::{MessageRole, PartKind, PartState};
+use crate::domain::{PartKind, PartState};
 
-/// The first commit of a claim: closes what a cut-off attempt left open
-/// (its text stays visible, `DONE`, followed by a `NOTICE`), makes sure the
-/// run has its assistant message, opens a text part, and says `run.started`.
+/// The first commit of a claim (where the claim did not start the run
+/// itself, see `queue::take`): `commit::start` in a transaction of its own.
 pub async fn begin(store: &Store, lease: &Lease) -> Result<Begun> {
     let (mut tx, conversation, row) = open(store, lease).await?;
-    // A run's first claim has epoch 1 (every claim and every release adds
-    // one): it has no message and no parts yet, so there is nothing to look
-    // up or recover.
-    let first_claim = row.lease_epoch == 1;
-    let mut events = if first_claim {
-        Vec::new()
-    } else {
-        abandon_open_parts(&tx, row.id).await?
-    };
-    let existing = if first_claim {
-        None
-    } else {
-        message::Entity::find()
-            .filter(message::Column::RunId.eq(row.id))
-            .filter(message::Column::Role.eq(MessageRole::Assistant.as_str()))
-            .one(&*tx)
-            .await?
-    };
-    // A batch of tool calls in the current step: the step is finished
-    // before the model is asked anything, so no text part yet.
-    let batch_pending = !first_claim
-        && tool_call::Entity::find()
-            .filter(tool_call::Column::RunId.eq(row.id))
-            .filter(tool_call::Column::Step.eq(row.steps))
-            .one(&*tx)
-            .await?
-            .is_some();
-    let (message_id, index) = match existing {
-        Some(existing) => (existing.id, next_index(&tx, existing.id).await?),
-        None => (assistant_message_new(&tx, &row, &mut events).await?, 0),
-    };
-    let part = if batch_pending {
-        None
-    } else {
-        Some(open_text_part(&tx, &row, message_id, index, &mut events).await?)
-    };
-    events.extend(NewEvent::run_status(row.id, RunStatus::Running));
+    let mut events = Vec::new();
+    let (message_id, part) = start(&tx, &row, &mut events).await?;
     tx.append(&conversation, events).await?;
     let committed = store.commit(tx).await?;
-    let cursor = committed.last().map_or(Cursor::START, |e| e.cursor);
-    Ok(Begun {
-        run: row,
-        message_id,
-        part,
-        cursor,
-    })
+    Ok(Begun::new(row, message_id, part, &committed))
 }
 
 /// The step's end when it asked for tools and every call has its result:

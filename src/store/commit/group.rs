@@ -10,8 +10,12 @@
 //! are written in the order they arrived; a conversation's events keep their
 //! commit order, since the group commits at once.
 //!
-//! The group runs in a task of its own: a writer that stops waiting (a
-//! dropped request) cancels nothing of the others.
+//! A writer that finds the database free and nobody waiting writes at once,
+//! in its own task, as an ungrouped write would. Otherwise the group runs in
+//! a task of its own: a writer that stops waiting (a dropped request)
+//! cancels nothing of the others. Writers hear that they committed before
+//! their events go out on the bus, so a writer's response is not behind the
+//! work those events wake up.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -19,7 +23,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use futures_util::future::BoxFuture;
 use tokio::sync::oneshot;
 
-use super::WriteTx;
+use super::{WriteLane, WriteTx};
 use crate::domain::event::Event;
 use crate::store::{Error, Result, Store};
 
@@ -81,6 +85,13 @@ impl Pending {
         !self.leader.swap(true, Ordering::SeqCst)
     }
 
+    fn is_empty(&self) -> bool {
+        self.parts
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .is_empty()
+    }
+
     /// Takes every queued part. A part queued after the flag is cleared
     /// starts a leader of its own, so none is left behind.
     fn take(&self) -> Vec<Box<dyn Part>> {
@@ -94,17 +105,21 @@ impl Store {
     /// returning what it returned and its committed events. On SQLite the
     /// transaction may be shared with other writers ready at the same time
     /// (see the module's notes); elsewhere writers commit side by side.
-    pub(in crate::store) async fn write<T, W>(&self, mut write: W) -> Result<(T, Vec<Event>)>
+    pub(in crate::store) async fn write<T, W>(&self, write: W) -> Result<(T, Vec<Event>)>
     where
         T: Send + 'static,
         W: for<'t> FnMut(&'t mut WriteTx) -> BoxFuture<'t, Result<T>> + Send + 'static,
     {
         let Some(pending) = &self.pending else {
-            let mut tx = self.begin_write().await?;
-            let output = write(&mut tx).await?;
-            let events = self.commit(tx).await?;
-            return Ok((output, events));
+            return self.write_alone(self.lane().await, write).await;
         };
+        // Nobody writing and nobody waiting: write here and now, in this
+        // task, as an ungrouped write would.
+        if let Some(lane) = self.lane_if_free()
+            && pending.is_empty()
+        {
+            return self.write_alone(Some(lane), write).await;
+        }
         let (answer, answered) = oneshot::channel();
         let part = Box::new(Writer {
             write,
@@ -122,6 +137,16 @@ impl Store {
             .unwrap_or_else(|_| Err(Error::Conflict("the group commit was stopped".into())))
     }
 
+    async fn write_alone<T, W>(&self, lane: WriteLane, mut write: W) -> Result<(T, Vec<Event>)>
+    where
+        W: for<'t> FnMut(&'t mut WriteTx) -> BoxFuture<'t, Result<T>>,
+    {
+        let mut tx = self.begin_write_in(lane).await?;
+        let output = write(&mut tx).await?;
+        let events = self.commit(tx).await?;
+        Ok((output, events))
+    }
+
     async fn lead(&self, pending: &Arc<Pending>) {
         let lane = self.lane().await;
         let mut parts = pending.take();
@@ -135,20 +160,19 @@ impl Store {
                 part.write(&mut tx).await?;
                 ends.push(tx.events.len());
             }
-            Ok::<_, Error>((self.commit(tx).await?, ends))
+            Ok::<_, Error>((self.commit_unannounced(tx).await?, ends))
         }
         .await;
         match grouped {
-            Ok((mut events, ends)) => {
-                // Each part's events, from the last part back.
-                for (part, start) in parts
-                    .into_iter()
-                    .rev()
-                    .zip(ends.iter().rev().skip(1).copied().chain([0]))
+            Ok((events, ends)) => {
+                // Each part's events, then the bus: a writer hears that it
+                // committed before what its events wake up starts.
+                let starts = std::iter::once(0).chain(ends.iter().copied());
+                for ((part, start), end) in parts.into_iter().zip(starts).zip(ends.iter().copied())
                 {
-                    let own = events.split_off(start);
-                    part.settle(Ok(own));
+                    part.settle(Ok(events[start..end].to_vec()));
                 }
+                self.announce(&events);
             }
             Err(err) if parts.len() == 1 => {
                 if let Some(part) = parts.pop() {

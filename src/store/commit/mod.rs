@@ -32,7 +32,7 @@ pub(in crate::store) use pending::{
     cancel_where, close_pending, interaction_event, kind_of, resolving_event,
 };
 pub use start::Begun;
-pub(in crate::store) use start::{assistant_message_new, open_text_part, start_first};
+pub(in crate::store) use start::{open_text_part, start};
 
 use std::sync::atomic::Ordering;
 
@@ -70,6 +70,13 @@ impl Store {
         }
     }
 
+    /// This process's turn to write if nobody has it now (SQLite only).
+    fn lane_if_free(&self) -> WriteLane {
+        self.write_lane
+            .as_ref()
+            .and_then(|lane| lane.clone().try_lock_owned().ok())
+    }
+
     /// Begins a write transaction. On SQLite it is `BEGIN IMMEDIATE`, so two
     /// writers never deadlock upgrading a read lock.
     pub async fn begin_write(&self) -> Result<WriteTx> {
@@ -96,12 +103,25 @@ impl Store {
         })
     }
 
-    /// Commits, then announces the transaction's events on the bus. This is
-    /// the one place persisted events are fanned out.
+    /// Commits, then announces the transaction's events on the bus.
     pub async fn commit(&self, write: WriteTx) -> Result<Vec<Event>> {
+        let events = self.commit_unannounced(write).await?;
+        self.announce(&events);
+        Ok(events)
+    }
+
+    /// Commits; the caller announces the events once it has answered its
+    /// writers (a group commit answers first, so that a writer's response
+    /// is not behind the work its events wake up).
+    async fn commit_unannounced(&self, write: WriteTx) -> Result<Vec<Event>> {
         write.tx.commit().await?;
-        self.bus.publish(&write.events);
         Ok(write.events)
+    }
+
+    /// Publishes committed events on the bus: the one place persisted
+    /// events are fanned out.
+    fn announce(&self, events: &[Event]) {
+        self.bus.publish(events);
     }
 }
 

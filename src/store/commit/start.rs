@@ -1,18 +1,23 @@
-//! A claim's start: the run's assistant message and the empty text part its
-//! inference streams into, inside a caller's transaction.
+//! A claim's start inside a caller's transaction: what a cut-off attempt
+//! left open closed, the run's assistant message, and the empty text part
+//! its inference streams into.
 
 use sea_orm::ActiveModelTrait;
 use sea_orm::ActiveValue::Set;
 use uuid::Uuid;
 
+use sea_orm::{ColumnTrait, EntityTrait, QueryFilter};
+
 use super::WriteTx;
-use super::parts::{OpenPart, PartContent, insert_part, part_event};
+use super::end::abandon_open_parts;
+use super::parts::{OpenPart, PartContent, insert_part, next_index, part_event};
 use crate::domain::cursor::Cursor;
 use crate::domain::event::{EventKind, NewEvent};
+use crate::domain::run::RunStatus;
 use crate::domain::time::now_millis;
 use crate::domain::{MessageRole, PartKind};
 use crate::store::Result;
-use crate::store::entities::{message, run};
+use crate::store::entities::{message, run, tool_call};
 
 /// What the worker knows after its first commit of a claim.
 #[derive(Debug, Clone)]
@@ -79,31 +84,60 @@ pub(in crate::store) async fn open_text_part(
     })
 }
 
-/// The start of a run's first claim (epoch 1: no message or part yet, so
-/// nothing to look up or recover): its assistant message, the empty text
-/// part, and `run.started`. Returns what the worker needs but the cursor,
-/// which is known once the transaction commits.
-pub(in crate::store) async fn start_first(
+/// A claim's start inside `tx`: closes what a cut-off attempt left open
+/// (its text stays visible, `DONE`, followed by a `NOTICE`), makes sure the
+/// run has its assistant message, opens a text part, and says
+/// `run.started`. Returns the message and the part, none while a batch of
+/// tool calls of the current step is still to be finished; the cursor is
+/// known once the transaction commits.
+pub(in crate::store) async fn start(
     tx: &WriteTx,
     row: &run::Model,
     events: &mut Vec<NewEvent>,
-) -> Result<(Uuid, OpenPart)> {
-    let message_id = assistant_message_new(tx, row, events).await?;
-    let part = open_text_part(tx, row, message_id, 0, events).await?;
-    events.extend(NewEvent::run_status(
-        row.id,
-        crate::domain::run::RunStatus::Running,
-    ));
+) -> Result<(Uuid, Option<OpenPart>)> {
+    // A run's first claim has epoch 1 (every claim and every release adds
+    // one): it has no message and no parts yet, so there is nothing to look
+    // up or recover.
+    if row.lease_epoch == 1 {
+        let message_id = assistant_message_new(tx, row, events).await?;
+        let part = open_text_part(tx, row, message_id, 0, events).await?;
+        events.extend(NewEvent::run_status(row.id, RunStatus::Running));
+        return Ok((message_id, Some(part)));
+    }
+    events.extend(abandon_open_parts(tx, row.id).await?);
+    let existing = message::Entity::find()
+        .filter(message::Column::RunId.eq(row.id))
+        .filter(message::Column::Role.eq(MessageRole::Assistant.as_str()))
+        .one(&**tx)
+        .await?;
+    // A batch of tool calls in the current step: the step is finished
+    // before the model is asked anything, so no text part yet.
+    let batch_pending = tool_call::Entity::find()
+        .filter(tool_call::Column::RunId.eq(row.id))
+        .filter(tool_call::Column::Step.eq(row.steps))
+        .one(&**tx)
+        .await?
+        .is_some();
+    let (message_id, index) = match existing {
+        Some(existing) => (existing.id, next_index(tx, existing.id).await?),
+        None => (assistant_message_new(tx, row, events).await?, 0),
+    };
+    let part = if batch_pending {
+        None
+    } else {
+        Some(open_text_part(tx, row, message_id, index, events).await?)
+    };
+    events.extend(NewEvent::run_status(row.id, RunStatus::Running));
     Ok((message_id, part))
 }
 
 impl Begun {
-    /// What a first claim started in a transaction that committed `events`
+    /// What a claim started in a transaction that committed `committed`
     /// (the cursor is the run's conversation's newest among them).
-    pub(in crate::store) fn first(
+    pub(in crate::store) fn new(
         run: run::Model,
         message_id: Uuid,
-        part: OpenPart,
+        part: Option<OpenPart>,
         committed: &[crate::domain::event::Event],
     ) -> Begun {
         let cursor = committed
@@ -114,7 +148,7 @@ impl Begun {
         Begun {
             run,
             message_id,
-            part: Some(part),
+            part,
             cursor,
         }
     }
