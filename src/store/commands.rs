@@ -57,25 +57,22 @@ pub async fn send_message(
     new: NewMessage,
 ) -> Result<(message::Model, run::Model)> {
     let actor = actor.clone();
-    let ((message, run, interrupted), _) = store
+    let (sent, _) = store
         .write(move |tx| {
             let (actor, new) = (actor.clone(), new.clone());
             Box::pin(async move { send_in(tx, &actor, new).await })
         })
         .await?;
-    for run_id in interrupted {
-        store.bus().request_cancel(run_id);
-    }
-    Ok((message, run))
+    Ok(sent)
 }
 
-/// `send_message` inside `tx`; also returns the running runs it interrupted,
-/// whose workers are to be told once it commits.
+/// `send_message` inside `tx`. The workers of running runs it interrupts
+/// are told once it commits (`WriteTx::notify_cancel`).
 async fn send_in(
     tx: &mut WriteTx,
     actor: &Actor,
     new: NewMessage,
-) -> Result<(message::Model, run::Model, Vec<Uuid>)> {
+) -> Result<(message::Model, run::Model)> {
     let conversation = tx
         .lock_conversation(new.conversation_id, &actor.tenant)
         .await?;
@@ -94,11 +91,10 @@ async fn send_in(
             .one(&**tx)
             .await?
             .ok_or_else(|| Error::Corrupt("user message's run is missing".into()))?;
-        return Ok((original, run, Vec::new()));
+        return Ok((original, run));
     }
 
     let mut events = Vec::new();
-    let mut interrupted = Vec::new();
     match new.on_active_run {
         // Runs of a conversation execute in order: nothing to look at.
         ActiveRunStrategy::Queue => {}
@@ -128,7 +124,6 @@ async fn send_in(
             for row in active {
                 if reads::run_status(&row)? == RunStatus::Running {
                     tx.notify_cancel(row.id).await?;
-                    interrupted.push(row.id);
                 }
                 events.extend(commit::end(tx, row, EndCause::Interrupted, None).await?);
             }
@@ -213,7 +208,7 @@ async fn send_in(
     ));
     events.extend(NewEvent::run_status(run_id, RunStatus::Queued));
     tx.append(&conversation, events).await?;
-    Ok((message, run, interrupted))
+    Ok((message, run))
 }
 
 /// Cancels a run: one no worker holds ends in this transaction; a running one
@@ -245,8 +240,10 @@ pub async fn cancel_run(store: &Store, actor: &Actor, run_id: Uuid) -> Result<ru
             active.update(&*tx).await?;
             tx.notify_cancel(run_id).await?;
             store.commit(tx).await?;
+        } else {
+            // Asked again: the worker is told again.
+            store.bus().request_cancel(run_id);
         }
-        store.bus().request_cancel(run_id);
     } else {
         let events = commit::end(&tx, row, EndCause::Cancelled, None).await?;
         tx.append(&conversation, events).await?;

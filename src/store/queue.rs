@@ -40,17 +40,34 @@ pub struct Claimed {
 /// first commit: the start of every run it takes (`commit::start`: an
 /// interrupted attempt closed, the assistant message, the text part,
 /// `run.started`) commits with the claim, and the `after_claim` failpoint
-/// aborts before that commit. On PostgreSQL the claim commits alone, and
+/// aborts before that commit. Should starting one of them fail, the claim
+/// commits alone instead, as everywhere else. On PostgreSQL the claim commits alone, and
 /// each worker starts its run in a commit of its own: a claim locks runs
 /// before their conversations, the opposite order to every other write.
 pub async fn take(store: &Store, owner: &str, lease_ms: i64, limit: usize) -> Result<Vec<Claimed>> {
-    if store.backend() != DatabaseBackend::Sqlite {
-        let claimed = claim(store, owner, lease_ms, limit).await?;
-        return Ok(claimed
-            .into_iter()
-            .map(|run| Claimed { run, begun: None })
-            .collect());
+    if store.backend() == DatabaseBackend::Sqlite {
+        match claim_and_start(store, owner, lease_ms, limit).await {
+            Ok(taken) => return Ok(taken),
+            // One run that cannot be started must not hold up the others:
+            // the claim commits alone, and each worker starts its own run
+            // (and ends the one that cannot start, as it would anyway).
+            Err(err) => tracing::warn!(error = %err, "starting runs with their claim failed"),
+        }
     }
+    let claimed = claim(store, owner, lease_ms, limit).await?;
+    Ok(claimed
+        .into_iter()
+        .map(|run| Claimed { run, begun: None })
+        .collect())
+}
+
+/// The claim and the start of every run it takes, in one transaction.
+async fn claim_and_start(
+    store: &Store,
+    owner: &str,
+    lease_ms: i64,
+    limit: usize,
+) -> Result<Vec<Claimed>> {
     let mut tx = store.begin_write().await?;
     let claimed = claim_in(&*tx, owner, lease_ms, limit).await?;
     if claimed.is_empty() {
@@ -395,6 +412,47 @@ mod tests {
         assert_eq!(resumed.message_id, begun.message_id);
         assert_eq!(resumed.run.lease_epoch, 3);
         assert!(resumed.part.is_some());
+        std::fs::remove_dir_all(dir).ok();
+    }
+
+    #[tokio::test]
+    async fn a_run_that_cannot_start_holds_up_no_other() {
+        use crate::store::entities::part;
+        use crate::store::test_support::{conversation, send_hi};
+        use sea_orm::sea_query::Expr;
+
+        let (store, dir) = temp_store().await;
+        let broken = queued_run(&store).await;
+        take(&store, "w", 60_000, 4).await.unwrap();
+        // Its worker died mid-stream, and the part it left open is one this
+        // build cannot read.
+        reclaim(&store, Reclaim::All, 3).await.unwrap();
+        part::Entity::update_many()
+            .col_expr(part::Column::Kind, Expr::value("HOLOGRAM"))
+            .col_expr(part::Column::State, Expr::value("STREAMING"))
+            .filter(part::Column::Kind.eq("TEXT"))
+            .filter(part::Column::RunId.eq(broken.id))
+            .exec(store.db())
+            .await
+            .unwrap();
+        let other = conversation(&store).await;
+        let healthy = send_hi(&store, other.id, 3).await;
+
+        let taken = take(&store, "w", 60_000, 4).await.unwrap();
+        let ids: Vec<_> = taken
+            .iter()
+            .map(|c| (c.run.id, c.begun.is_none()))
+            .collect();
+        assert_eq!(ids, [(broken.id, true), (healthy.id, true)]);
+        let lease = |id| Lease::of(&taken.iter().find(|c| c.run.id == id).unwrap().run);
+        crate::store::runs::begin(&store, &lease(healthy.id))
+            .await
+            .unwrap();
+        let refused = crate::store::runs::begin(&store, &lease(broken.id)).await;
+        assert!(
+            matches!(refused, Err(crate::store::Error::Corrupt(_))),
+            "{refused:?}"
+        );
         std::fs::remove_dir_all(dir).ok();
     }
 }

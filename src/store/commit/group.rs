@@ -8,7 +8,8 @@
 //! transaction of its own, so one writer's failure never undoes another's
 //! facts, and each writer's facts stay all-or-nothing. Within a group, parts
 //! are written in the order they arrived; a conversation's events keep their
-//! commit order, since the group commits at once.
+//! commit order, since the group commits at once. A part that panics is
+//! an error of its own, and undoes nothing of the others.
 //!
 //! A writer that finds the database free and nobody waiting writes at once,
 //! in its own task, as an ungrouped write would. Otherwise the group runs in
@@ -20,6 +21,9 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 
+use std::panic::AssertUnwindSafe;
+
+use futures_util::FutureExt;
 use futures_util::future::BoxFuture;
 use tokio::sync::oneshot;
 
@@ -51,7 +55,13 @@ where
     fn write<'t>(&'t mut self, tx: &'t mut WriteTx) -> BoxFuture<'t, Result<()>> {
         Box::pin(async move {
             self.output = None;
-            self.output = Some((self.write)(tx).await?);
+            // A part that panics fails alone: its group is written again
+            // without it, as after any part's error.
+            let written = AssertUnwindSafe((self.write)(tx)).catch_unwind().await;
+            let output = written.map_err(|_| {
+                Error::Conflict("the write panicked; nothing of it was kept".into())
+            })??;
+            self.output = Some(output);
             Ok(())
         })
     }
@@ -164,15 +174,16 @@ impl Store {
         }
         .await;
         match grouped {
-            Ok((events, ends)) => {
-                // Each part's events, then the bus: a writer hears that it
-                // committed before what its events wake up starts.
+            Ok((committed, ends)) => {
+                // Each part's events, then the bus (the lane still held, so
+                // that the bus hears commits in their order): a writer hears
+                // that it committed before what its events wake up starts.
                 let starts = std::iter::once(0).chain(ends.iter().copied());
                 for ((part, start), end) in parts.into_iter().zip(starts).zip(ends.iter().copied())
                 {
-                    part.settle(Ok(events[start..end].to_vec()));
+                    part.settle(Ok(committed.events[start..end].to_vec()));
                 }
-                self.announce(&events);
+                self.announce(&committed);
             }
             Err(err) if parts.len() == 1 => {
                 if let Some(part) = parts.pop() {
@@ -208,13 +219,22 @@ mod tests {
     use crate::store::reads;
     use crate::store::test_support::{conversation, temp_store};
 
+    /// What a writer does after writing.
+    #[derive(Clone, Copy)]
+    enum Then {
+        Commit,
+        Fail,
+        Panic,
+    }
+    use Then::{Commit, Fail, Panic};
+
     /// A writer that appends `events` events to a conversation of Ada's,
-    /// then fails when told to, after writing.
+    /// then does `then`.
     async fn append(
         store: &Store,
         conversation_id: Uuid,
         events: usize,
-        fail: bool,
+        then: Then,
     ) -> Result<Vec<Event>> {
         let ((), committed) = store
             .write(move |tx| {
@@ -224,10 +244,11 @@ mod tests {
                         .map(|_| NewEvent::message_created(Uuid::now_v7(), MessageRole::User, None))
                         .collect();
                     tx.append(&locked, new).await?;
-                    if fail {
-                        return Err(Error::Conflict("refused after writing".into()));
+                    match then {
+                        Commit => Ok(()),
+                        Fail => Err(Error::Conflict("refused after writing".into())),
+                        Panic => panic!("a bug after writing"),
                     }
-                    Ok(())
                 })
             })
             .await?;
@@ -238,7 +259,7 @@ mod tests {
     /// all queue, then lets them go.
     async fn queued_behind_a_write(
         store: &Store,
-        writers: Vec<(Uuid, usize, bool)>,
+        writers: Vec<(Uuid, usize, Then)>,
     ) -> Vec<Result<Vec<Event>>> {
         let held = store.begin_write().await.unwrap();
         let pending = store.pending.clone().expect("SQLite groups its writes");
@@ -246,9 +267,9 @@ mod tests {
         let store = Arc::new(store.clone());
         let tasks: Vec<_> = writers
             .into_iter()
-            .map(|(id, events, fail)| {
+            .map(|(id, events, then)| {
                 let store = store.clone();
-                tokio::spawn(async move { append(&store, id, events, fail).await })
+                tokio::spawn(async move { append(&store, id, events, then).await })
             })
             .collect();
         while pending.parts.lock().unwrap().len() < count {
@@ -274,7 +295,8 @@ mod tests {
         let (a, b) = (conversation(&store).await.id, conversation(&store).await.id);
         let before = store.write_transactions();
         let results =
-            queued_behind_a_write(&store, vec![(a, 2, false), (b, 1, false), (a, 3, false)]).await;
+            queued_behind_a_write(&store, vec![(a, 2, Commit), (b, 1, Commit), (a, 3, Commit)])
+                .await;
         // The held write, then one group for all three.
         assert_eq!(store.write_transactions() - before, 2);
         let results: Vec<Vec<Event>> = results.into_iter().map(Result::unwrap).collect();
@@ -294,7 +316,7 @@ mod tests {
         let (store, dir) = temp_store().await;
         let (a, b) = (conversation(&store).await.id, conversation(&store).await.id);
         let results =
-            queued_behind_a_write(&store, vec![(a, 2, false), (b, 4, true), (a, 1, false)]).await;
+            queued_behind_a_write(&store, vec![(a, 2, Commit), (b, 4, Fail), (a, 1, Commit)]).await;
         assert!(
             matches!(results[1], Err(Error::Conflict(_))),
             "{:?}",
@@ -308,6 +330,24 @@ mod tests {
         assert!(log(&store, b).await.is_empty());
         let kept: Vec<i64> = log(&store, a).await.iter().map(|e| e.cursor.0).collect();
         assert_eq!(kept, [1, 2, 3]);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_writer_that_panics_in_a_group_fails_alone() {
+        let (store, dir) = temp_store().await;
+        let (a, b) = (conversation(&store).await.id, conversation(&store).await.id);
+        let results =
+            queued_behind_a_write(&store, vec![(a, 1, Commit), (b, 2, Panic), (a, 1, Commit)])
+                .await;
+        assert!(
+            matches!(results[1], Err(Error::Conflict(_))),
+            "{:?}",
+            results[1]
+        );
+        assert!(results[0].is_ok() && results[2].is_ok(), "{results:?}");
+        assert!(log(&store, b).await.is_empty());
+        assert_eq!(log(&store, a).await.len(), 2);
         std::fs::remove_dir_all(dir).unwrap();
     }
 }

@@ -98,44 +98,72 @@ impl Store {
         Ok(WriteTx {
             tx,
             events: Vec::new(),
+            cancels: Vec::new(),
             notify_as,
-            _lane: lane,
+            lane,
         })
     }
 
     /// Commits, then announces the transaction's events on the bus.
     pub async fn commit(&self, write: WriteTx) -> Result<Vec<Event>> {
-        let events = self.commit_unannounced(write).await?;
-        self.announce(&events);
-        Ok(events)
+        let committed = self.commit_unannounced(write).await?;
+        self.announce(&committed);
+        Ok(committed.events)
     }
 
-    /// Commits; the caller announces the events once it has answered its
-    /// writers (a group commit answers first, so that a writer's response
-    /// is not behind the work its events wake up).
-    async fn commit_unannounced(&self, write: WriteTx) -> Result<Vec<Event>> {
-        write.tx.commit().await?;
-        Ok(write.events)
+    /// Commits; the caller announces what committed (a group commit answers
+    /// its writers first, so that a writer's response is not behind the work
+    /// its events wake up). The write lane stays held until then, so that
+    /// the bus hears commits in their order.
+    async fn commit_unannounced(&self, write: WriteTx) -> Result<Committed> {
+        let WriteTx {
+            tx,
+            events,
+            cancels,
+            lane,
+            ..
+        } = write;
+        tx.commit().await?;
+        Ok(Committed {
+            events,
+            cancels,
+            _lane: lane,
+        })
     }
 
-    /// Publishes committed events on the bus: the one place persisted
-    /// events are fanned out.
-    fn announce(&self, events: &[Event]) {
-        self.bus.publish(events);
+    /// Publishes committed events on the bus, and tells this process's
+    /// workers of the cancellations the transaction committed: the one place
+    /// persisted events are fanned out.
+    fn announce(&self, committed: &Committed) {
+        self.bus.publish(&committed.events);
+        for run_id in &committed.cancels {
+            self.bus.request_cancel(*run_id);
+        }
     }
 }
 
-/// The right to write, held until a write's commit (SQLite only).
+/// The right to write, held until a write's commit is announced (SQLite
+/// only).
 pub(crate) type WriteLane = Option<OwnedMutexGuard<()>>;
+
+/// A committed transaction, not yet announced, still holding the lane.
+struct Committed {
+    events: Vec<Event>,
+    cancels: Vec<Uuid>,
+    _lane: WriteLane,
+}
 
 /// A write transaction that collects the events appended in it, to publish
 /// once it has committed. Dropping it rolls back and publishes nothing.
 pub struct WriteTx {
     tx: DatabaseTransaction,
     events: Vec<Event>,
+    /// Runs whose cancellation this transaction requests, for this
+    /// process's workers once it commits.
+    cancels: Vec<Uuid>,
     /// On PostgreSQL, this process's origin for NOTIFY payloads.
     notify_as: Option<Uuid>,
-    _lane: WriteLane,
+    lane: WriteLane,
 }
 
 impl std::ops::Deref for WriteTx {
@@ -211,8 +239,11 @@ impl WriteTx {
         Ok(())
     }
 
-    /// Tells other processes that a run's cancellation was requested.
-    pub async fn notify_cancel(&self, run_id: Uuid) -> Result<()> {
+    /// Requests a run's cancellation once this transaction commits: this
+    /// process's worker is told when the commit is announced, other
+    /// processes by NOTIFY (delivered on commit only).
+    pub async fn notify_cancel(&mut self, run_id: Uuid) -> Result<()> {
+        self.cancels.push(run_id);
         self.notify(pg::CANCEL, Some(run_id)).await
     }
 
