@@ -77,6 +77,7 @@ impl From<store::Error> for ApiError {
             store::Error::Unavailable(message) => ApiError::Unavailable(message),
             err @ (store::Error::Database(_)
             | store::Error::Corrupt(_)
+            | store::Error::WriteFailed(_)
             | store::Error::Fenced
             | store::Error::CancelRequested) => {
                 tracing::error!(error = %err, "store failure");

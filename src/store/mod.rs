@@ -59,6 +59,10 @@ pub enum Error {
     /// A stored value this build cannot read: refuse rather than guess.
     #[error("corrupt stored data: {0}")]
     Corrupt(String),
+    /// A write failed inside this process (a bug that panicked, a group
+    /// commit stopped by shutdown); nothing of it was kept.
+    #[error("the write failed: {0}")]
+    WriteFailed(&'static str),
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

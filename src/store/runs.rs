@@ -6,6 +6,8 @@
 use sea_orm::ActiveValue::Set;
 use sea_orm::sea_query::Expr;
 use sea_orm::{ActiveModelTrait, ColumnTrait, EntityTrait, QueryFilter, QueryOrder};
+use std::sync::Arc;
+
 use uuid::Uuid;
 
 use super::commit::{
@@ -70,7 +72,8 @@ pub async fn step_text(store: &Store, run_id: Uuid, step: i32) -> Result<String>
 /// Persists the streamed text of these parts so far, each with
 /// `part.updated`.
 pub async fn checkpoint(store: &Store, lease: &Lease, parts: &[PartText]) -> Result<Cursor> {
-    let (lease, parts) = (lease.clone(), parts.to_vec());
+    // Shared by the closure's calls (a group's, then perhaps its own).
+    let (lease, parts) = (lease.clone(), Arc::<[PartText]>::from(parts));
     let ((), committed) = store
         .write(move |tx| {
             let (lease, parts) = (lease.clone(), parts.clone());
@@ -138,7 +141,8 @@ pub async fn finish(
     parts: &[PartText],
     ending: Ending,
 ) -> Result<()> {
-    let (lease, parts) = (lease.clone(), parts.to_vec());
+    // Shared by the closure's calls (a group's, then perhaps its own).
+    let (lease, parts) = (lease.clone(), Arc::<[PartText]>::from(parts));
     store
         .write(move |tx| {
             let (lease, parts, ending) = (lease.clone(), parts.clone(), ending.clone());

@@ -58,9 +58,7 @@ where
             // A part that panics fails alone: its group is written again
             // without it, as after any part's error.
             let written = AssertUnwindSafe((self.write)(tx)).catch_unwind().await;
-            let output = written.map_err(|_| {
-                Error::Conflict("the write panicked; nothing of it was kept".into())
-            })??;
+            let output = written.map_err(|_| Error::WriteFailed("the write panicked"))??;
             self.output = Some(output);
             Ok(())
         })
@@ -70,7 +68,7 @@ where
         let Writer { output, answer, .. } = *self;
         let result = committed.and_then(|events| match output {
             Some(output) => Ok((output, events)),
-            None => Err(Error::Conflict("a committed write has no result".into())),
+            None => Err(Error::WriteFailed("a committed write has no result")),
         });
         // A writer that stopped waiting needs no answer.
         let _ = answer.send(result);
@@ -144,7 +142,7 @@ impl Store {
         }
         answered
             .await
-            .unwrap_or_else(|_| Err(Error::Conflict("the group commit was stopped".into())))
+            .unwrap_or_else(|_| Err(Error::WriteFailed("the group commit was stopped")))
     }
 
     async fn write_alone<T, W>(&self, lane: WriteLane, mut write: W) -> Result<(T, Vec<Event>)>
@@ -341,7 +339,7 @@ mod tests {
             queued_behind_a_write(&store, vec![(a, 1, Commit), (b, 2, Panic), (a, 1, Commit)])
                 .await;
         assert!(
-            matches!(results[1], Err(Error::Conflict(_))),
+            matches!(results[1], Err(Error::WriteFailed(_))),
             "{:?}",
             results[1]
         );
