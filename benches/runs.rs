@@ -707,12 +707,12 @@ async fn seed(
     conversation: Uuid,
     exchanges: usize,
 ) -> u64 {
-    let mut seq = conversation::Entity::find_by_id(conversation)
+    let row = conversation::Entity::find_by_id(conversation)
         .one(db)
         .await
         .unwrap()
-        .unwrap()
-        .event_seq;
+        .unwrap();
+    let (mut seq, runs_before) = (row.event_seq, row.run_seq);
     let shift = now_ms() - template.run.created_at;
     let mut ids: Vec<Uuid> = template
         .messages
@@ -738,6 +738,7 @@ async fn seed(
                 m.id = map[&m.id];
                 m.conversation_id = conversation;
                 m.run_id = m.run_id.map(|r| map[&r]);
+                m.run_seq = runs_before + n as i64;
                 m.created_at += shift;
                 messages.push(message::ActiveModel::from(m).reset_all());
             }
@@ -766,6 +767,7 @@ async fn seed(
             r.id = map[&r.id];
             r.conversation_id = conversation;
             r.trigger_message_id = map[&r.trigger_message_id];
+            r.seq = runs_before + n as i64;
             r.created_at += shift;
             r.started_at = r.started_at.map(|t| t + shift);
             r.ended_at = r.ended_at.map(|t| t + shift);
@@ -809,6 +811,10 @@ async fn seed(
         insert_chunks!(&tx, event::Entity, events);
         conversation::Entity::update_many()
             .col_expr(conversation::Column::EventSeq, Expr::value(seq))
+            .col_expr(
+                conversation::Column::RunSeq,
+                Expr::value(runs_before + to as i64),
+            )
             .filter(conversation::Column::Id.eq(conversation))
             .exec(&tx)
             .await

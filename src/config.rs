@@ -75,6 +75,8 @@ pub struct FileConfig {
     #[serde(default)]
     pub api: ApiConfig,
     #[serde(default)]
+    pub database: DatabaseConfig,
+    #[serde(default)]
     pub auth: AuthConfig,
     #[serde(default)]
     pub agents: Vec<AgentConfig>,
@@ -112,6 +114,31 @@ impl Default for RuntimeConfig {
             poll_ms: 1000,
             shutdown_grace_secs: 10.0,
             tool_concurrency: 4,
+        }
+    }
+}
+
+/// `[database]`: the connection pools. (The API's read pool is sized by
+/// `api.read_connections`.)
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DatabaseConfig {
+    /// Connections of the pool for writes and the workers' reads; by
+    /// default 8 on SQLite and 16 on PostgreSQL.
+    pub connections: Option<u32>,
+    /// How long a query waits for a free connection before it fails.
+    pub acquire_timeout_secs: f64,
+    /// PostgreSQL's `statement_timeout` for the statements of this
+    /// process's pools (migrations excepted); 0, the default, for none.
+    pub statement_timeout_secs: f64,
+}
+
+impl Default for DatabaseConfig {
+    fn default() -> Self {
+        DatabaseConfig {
+            connections: None,
+            acquire_timeout_secs: 30.0,
+            statement_timeout_secs: 0.0,
         }
     }
 }
@@ -700,6 +727,7 @@ impl FileConfig {
             runtime: RuntimeConfig::default(),
             policy: PolicyConfig::default(),
             api: ApiConfig::default(),
+            database: DatabaseConfig::default(),
             auth: AuthConfig::default(),
             agents: vec![demo_agent()],
             tools: Vec::new(),
@@ -755,6 +783,26 @@ impl FileConfig {
         duration_ms("runtime.poll_ms", rt.poll_ms)?;
         non_negative("runtime.shutdown_grace_secs", rt.shutdown_grace_secs)?;
         duration_secs_f64("runtime.shutdown_grace_secs", rt.shutdown_grace_secs)?;
+        let database = &self.database;
+        if let Some(connections) = database.connections {
+            between("database.connections", connections, 1, 10_000)?;
+        }
+        positive(
+            "database.acquire_timeout_secs",
+            database.acquire_timeout_secs,
+        )?;
+        duration_secs_f64(
+            "database.acquire_timeout_secs",
+            database.acquire_timeout_secs,
+        )?;
+        non_negative(
+            "database.statement_timeout_secs",
+            database.statement_timeout_secs,
+        )?;
+        duration_secs_f64(
+            "database.statement_timeout_secs",
+            database.statement_timeout_secs,
+        )?;
         let api = &self.api;
         at_least("api.max_message_bytes", api.max_message_bytes, 1)?;
         at_least("api.max_request_bytes", api.max_request_bytes, 1024)?;

@@ -1,6 +1,7 @@
 //! `tether serve`: migrate, bind, serve until SIGTERM or Ctrl-C.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::Context as _;
 use tokio::net::TcpListener;
@@ -10,7 +11,7 @@ use crate::bus::{self, Bus};
 use crate::config::{Config, SecretSource};
 use crate::connections::Connections;
 use crate::runtime::{Runtime, RuntimeOptions};
-use crate::store::Store;
+use crate::store::{Pools, Store};
 use crate::tools;
 use tokio_util::sync::CancellationToken;
 
@@ -25,13 +26,17 @@ pub enum Role {
 }
 
 pub async fn open_store(config: &Config) -> anyhow::Result<Store> {
-    let store = Store::connect_with(
-        &config.database_url,
-        Bus::new(),
-        config.file.api.read_connections,
-    )
-    .await
-    .context("cannot connect to the database")?;
+    let database = &config.file.database;
+    let pools = Pools {
+        connections: database.connections,
+        read_connections: config.file.api.read_connections,
+        acquire_timeout: Duration::from_secs_f64(database.acquire_timeout_secs),
+        statement_timeout: (database.statement_timeout_secs > 0.0)
+            .then(|| Duration::from_secs_f64(database.statement_timeout_secs)),
+    };
+    let store = Store::connect_with(&config.database_url, Bus::new(), &pools)
+        .await
+        .context("cannot connect to the database")?;
     store.migrate().await.context("migrations failed")?;
     Ok(store)
 }

@@ -12,6 +12,7 @@ mod m0004_tool_calls;
 mod m0005_interactions;
 mod m0006_connections;
 mod m0007_read_indexes;
+mod m0008_run_order;
 mod shape;
 
 pub struct Migrator;
@@ -27,6 +28,7 @@ impl MigratorTrait for Migrator {
             Box::new(m0005_interactions::Migration),
             Box::new(m0006_connections::Migration),
             Box::new(m0007_read_indexes::Migration),
+            Box::new(m0008_run_order::Migration),
         ]
     }
 }

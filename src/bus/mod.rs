@@ -7,6 +7,7 @@
 pub mod pg;
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
 use tokio::sync::{Notify, broadcast, mpsc};
@@ -43,6 +44,16 @@ pub struct Bus {
     origin: Uuid,
     /// Where live deltas go for other processes (PostgreSQL only).
     delta_relay: Arc<OnceLock<mpsc::Sender<Event>>>,
+    listener: Arc<ListenerState>,
+}
+
+/// The PostgreSQL listener's state (`pg::listen`).
+#[derive(Default)]
+struct ListenerState {
+    up: AtomicBool,
+    /// Lost since it was last up (or never up yet): logged once.
+    lost: AtomicBool,
+    reconnects: AtomicU64,
 }
 
 impl Default for Bus {
@@ -53,6 +64,7 @@ impl Default for Bus {
             cancels: broadcast::channel(256).0,
             origin: Uuid::now_v7(),
             delta_relay: Arc::default(),
+            listener: Arc::default(),
         }
     }
 }
@@ -177,5 +189,37 @@ impl Bus {
 
     pub fn cancel_requests(&self) -> broadcast::Receiver<Uuid> {
         self.cancels.subscribe()
+    }
+
+    /// The PostgreSQL listener is listening (after a loss: it is back).
+    fn listener_up(&self) {
+        self.listener.up.store(true, Ordering::Relaxed);
+        if self.listener.lost.swap(false, Ordering::Relaxed) {
+            self.listener.reconnects.fetch_add(1, Ordering::Relaxed);
+            tracing::info!("listening for notifications again");
+        }
+    }
+
+    /// The PostgreSQL listener is not listening; said once until it is back.
+    fn listener_lost(&self, cause: &str) {
+        self.listener.up.store(false, Ordering::Relaxed);
+        if !self.listener.lost.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                cause,
+                "not listening for notifications: until it is back, subscribers and workers \
+                 read the log on their timers (about a second)"
+            );
+        }
+    }
+
+    /// Whether this process hears other processes' notifications now
+    /// (PostgreSQL; always false elsewhere).
+    pub fn listener_is_up(&self) -> bool {
+        self.listener.up.load(Ordering::Relaxed)
+    }
+
+    /// How many times the PostgreSQL listener came back after a loss.
+    pub fn listener_reconnects(&self) -> u64 {
+        self.listener.reconnects.load(Ordering::Relaxed)
     }
 }

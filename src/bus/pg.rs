@@ -18,6 +18,7 @@ use uuid::Uuid;
 use super::Bus;
 use crate::domain::cursor::Cursor;
 use crate::domain::event::{Event, EventBody, EventKind};
+use crate::domain::retry::RetryPolicy;
 
 /// `origin:conversation_id`: a conversation's log grew.
 pub const EVENTS: &str = "tether_events";
@@ -99,41 +100,54 @@ async fn send_deltas(url: &str, origin: Uuid, mut deltas: mpsc::Receiver<Event>)
     }
 }
 
+/// Waits between attempts to connect the listener again: from 100 ms,
+/// doubling up to 5 s, jittered.
+const RECONNECT: RetryPolicy = RetryPolicy {
+    max_attempts: u32::MAX,
+    initial_delay: Duration::from_millis(100),
+    max_delay: Duration::from_secs(5),
+};
+
+/// Listens until stopped, reconnecting with backoff whenever the connection
+/// drops. Whatever was notified while nobody listened is lost, so each time
+/// the listener (re)connects it pokes every subscriber and wakes the
+/// workers; while it is down both read the log on their own timers (the
+/// head watcher, the workers' poll and their look for cancellations), so
+/// nothing waits for a notification that will not come. A loss is logged
+/// once, its end once, and each one counted (`Bus::listener_reconnects`).
 async fn listen(url: &str, bus: &Bus) {
+    let mut failures = 0u32;
     loop {
-        let mut listener = match PgListener::connect(url).await {
-            Ok(listener) => listener,
-            Err(err) => {
-                tracing::warn!(error = %err, "cannot connect to listen for notifications");
-                tokio::time::sleep(Duration::from_secs(1)).await;
-                continue;
+        match connect(url).await {
+            Ok(mut listener) => {
+                bus.listener_up();
+                failures = 0;
+                bus.poke_all();
+                bus.wake_workers();
+                let cause = loop {
+                    match listener.try_recv().await {
+                        Ok(Some(notification)) => {
+                            relay(bus, notification.channel(), notification.payload())
+                        }
+                        Ok(None) => break "the connection closed".to_owned(),
+                        Err(err) => break err.to_string(),
+                    }
+                };
+                bus.listener_lost(&cause);
             }
-        };
-        if let Err(err) = listener.listen_all([EVENTS, QUEUED, CANCEL, DELTAS]).await {
-            tracing::warn!(error = %err, "LISTEN failed");
-            tokio::time::sleep(Duration::from_secs(1)).await;
-            continue;
+            Err(err) => bus.listener_lost(&err.to_string()),
         }
-        loop {
-            match listener.try_recv().await {
-                Ok(Some(notification)) => {
-                    relay(bus, notification.channel(), notification.payload())
-                }
-                // The connection dropped: what was sent meanwhile is lost.
-                Ok(None) => {
-                    bus.poke_all();
-                    bus.wake_workers();
-                }
-                Err(err) => {
-                    tracing::warn!(error = %err, "listening for notifications failed");
-                    bus.poke_all();
-                    bus.wake_workers();
-                    tokio::time::sleep(Duration::from_secs(1)).await;
-                    break;
-                }
-            }
-        }
+        failures = failures.saturating_add(1);
+        tokio::time::sleep(RECONNECT.delay(failures, None, fastrand::f64())).await;
     }
+}
+
+async fn connect(url: &str) -> Result<PgListener, sqlx::Error> {
+    let mut listener = PgListener::connect(url).await?;
+    listener
+        .listen_all([EVENTS, QUEUED, CANCEL, DELTAS])
+        .await?;
+    Ok(listener)
 }
 
 fn relay(bus: &Bus, channel: &str, payload: &str) {

@@ -36,9 +36,10 @@ impl History {
     }
 }
 
-/// Every user message up to the run's own, each followed by its reply (a
-/// reply's message is made when its run starts, so a message queued
-/// meanwhile has an earlier id: the order is by question, not by id), with
+/// Every user message up to the run's own, each followed by its reply, in
+/// the order of their runs (`runs.seq`: not by id, for a reply's message is
+/// made when its run starts, so a message queued meanwhile has an earlier
+/// id, and ids come from the clocks of several processes), with
 /// their tool calls and results. The latest summary stands in for every
 /// message up to the one it was made through, in that order. (Runs of a
 /// conversation execute one at a time in order, so every reply there is
@@ -57,7 +58,8 @@ pub async fn load(store: &Store, run: &run::Model) -> Result<History> {
     let latest_summary = summary::Entity::find()
         .filter(summary::Column::Tenant.eq(run.tenant.as_str()))
         .filter(summary::Column::ConversationId.eq(run.conversation_id))
-        .filter(summary::Column::RunId.lte(run.id))
+        .filter(summary::Column::RunSeq.lte(run.seq))
+        .order_by_desc(summary::Column::RunSeq)
         .order_by_desc(summary::Column::Id)
         .one(db)
         .await?;
@@ -81,7 +83,7 @@ pub async fn load(store: &Store, run: &run::Model) -> Result<History> {
 }
 
 /// Every user message up to the run's trigger, each followed by its reply,
-/// from `messages` in id order.
+/// in the order of their runs.
 fn in_order(messages: Vec<message::Model>, run: &run::Model) -> Result<Vec<message::Model>> {
     // Each user message with the reply of the run it started.
     let mut replies: HashMap<Uuid, message::Model> = HashMap::new();
@@ -93,10 +95,11 @@ fn in_order(messages: Vec<message::Model>, run: &run::Model) -> Result<Vec<messa
                     replies.insert(run_id, message);
                 }
             }
-            MessageRole::User if message.id <= run.trigger_message_id => questions.push(message),
+            MessageRole::User if message.run_seq <= run.seq => questions.push(message),
             MessageRole::User => {}
         }
     }
+    questions.sort_by_key(|m| (m.run_seq, m.id));
     let mut ordered = Vec::new();
     for question in questions {
         let reply = question.run_id.and_then(|id| replies.remove(&id));
@@ -118,19 +121,12 @@ fn drain_through(ordered: &mut Vec<message::Model>, through: Uuid) -> bool {
     }
 }
 
-/// The messages that follow `summary` in the history's order, read from
-/// the question of the pair its last message belongs to (a question, or a
-/// reply: both carry the id of the run the question started) onwards.
-///
-/// In the history's order a question is followed by its reply, whose id is
-/// later (it is made when its run starts), and the questions go by id: so
-/// what follows that question in the order is exactly the questions from it
-/// on and their replies, all of them at or after it by id. What else that
-/// range holds (replies to earlier questions, made after it because their
-/// messages were queued; messages after the run's own) has no question in
-/// it and is left out, as it would be from the whole. `None` when the
-/// summary's message cannot be placed so (it is gone, or not where a
-/// summary leaves it): the caller then reads everything, as before.
+/// The messages that follow `summary` in the history's order: those of
+/// the run its last message belongs to (a question and its reply share
+/// their run's number) and of every later run, read by that number however
+/// long the conversation before it. `None` when the summary's message
+/// cannot be placed so (it is gone, or not where a summary leaves it): the
+/// caller then reads everything.
 async fn after_summary(
     store: &Store,
     run: &run::Model,
@@ -143,14 +139,8 @@ async fn after_summary(
     if through.conversation_id != run.conversation_id {
         return Ok(None);
     }
-    let Some(pair_run) = through.run_id else {
-        return Ok(None);
-    };
-    let Some(pair_run) = reads::run(db, &run.tenant, pair_run).await? else {
-        return Ok(None);
-    };
-    let from = pair_run.trigger_message_id.min(through.id);
-    let messages = reads::messages_from(db, &run.tenant, run.conversation_id, from).await?;
+    let messages =
+        reads::messages_from_run(db, &run.tenant, run.conversation_id, through.run_seq).await?;
     let mut ordered = in_order(messages, run)?;
     Ok(drain_through(&mut ordered, through.id).then_some(ordered))
 }

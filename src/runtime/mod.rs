@@ -25,6 +25,9 @@ use crate::store::queue::{self, Heartbeat, Reclaim};
 use crate::tools::registry::Registry as ToolRegistry;
 use engine::{Control, Stop};
 
+/// How often workers look for cancellations that no notification brought.
+const CANCEL_POLL: Duration = Duration::from_secs(1);
+
 pub struct RuntimeOptions {
     /// Names this process's leases; a restart with the same id reclaims
     /// those nobody renews any more without waiting for them to run out.
@@ -69,6 +72,10 @@ impl Controls {
         {
             controls.remove(&run_id);
         }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.lock().is_empty()
     }
 
     fn stop(&self, run_id: Uuid, reason: Stop) {
@@ -141,6 +148,8 @@ async fn dispatch(
     let poll = Duration::from_millis(rt.poll_ms);
     let mut reap = tokio::time::interval(Duration::from_millis((lease_ms / 2).max(100) as u64));
     reap.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut look_for_cancels = tokio::time::interval(CANCEL_POLL);
+    look_for_cancels.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
 
     loop {
         // Claim while there are free slots and runs to claim, as many at
@@ -198,6 +207,19 @@ async fn dispatch(
                     Ok(0) => {}
                     Ok(n) => tracing::info!(interactions = n, "expired unanswered interactions"),
                     Err(err) => tracing::warn!(error = %err, "expiring interactions failed"),
+                }
+            }
+            // Cancels asked of another process: this one hears of them by
+            // NOTIFY on PostgreSQL when its listener is up, and otherwise
+            // here, within about a second.
+            _ = look_for_cancels.tick(), if !controls.is_empty() => {
+                match queue::cancels_requested(&store, &options.instance_id).await {
+                    Ok(runs) => {
+                        for run_id in runs {
+                            controls.stop(run_id, Stop::Cancelled);
+                        }
+                    }
+                    Err(err) => tracing::warn!(error = %err, "looking for cancellations failed"),
                 }
             }
             request = cancels.recv() => {

@@ -12,7 +12,7 @@ use super::entities::{conversation, message, part, run};
 use super::{Actor, Error, Result, Store, is_unique_violation, reads};
 use crate::domain::event::NewEvent;
 use crate::domain::run::{EndCause, RunStatus};
-use crate::domain::time::now_millis;
+use crate::domain::time::{new_id, now_millis};
 use crate::domain::{ActiveRunStrategy, MessageRole, PartKind, PartState};
 
 pub struct NewConversation {
@@ -36,13 +36,14 @@ pub async fn create_conversation(
     new: NewConversation,
 ) -> Result<conversation::Model> {
     let row = conversation::ActiveModel {
-        id: Set(Uuid::now_v7()),
+        id: Set(new_id()),
         tenant: Set(actor.tenant.clone()),
         principal: Set(actor.principal.clone()),
         agent: Set(new.agent),
         title: Set(new.title),
         created_at: Set(now_millis()),
         event_seq: Set(0),
+        run_seq: Set(0),
     };
     let _lane = store.write_lane().await;
     Ok(row.insert(store.db()).await?)
@@ -73,8 +74,9 @@ async fn send_in(
     actor: &Actor,
     new: NewMessage,
 ) -> Result<(message::Model, run::Model)> {
+    // The new run's number comes with the lock.
     let conversation = tx
-        .lock_conversation(new.conversation_id, &actor.tenant)
+        .lock_conversation_for_run(new.conversation_id, &actor.tenant)
         .await?;
 
     if let Some(client_id) = &new.client_message_id
@@ -115,7 +117,7 @@ async fn send_in(
                 .filter(run::Column::Tenant.eq(actor.tenant.as_str()))
                 .filter(run::Column::ConversationId.eq(conversation.id))
                 .filter(run::Column::Status.is_in(RunStatus::not_ended().map(RunStatus::as_str)))
-                .order_by_asc(run::Column::Id)
+                .order_by_asc(run::Column::Seq)
                 .lock_exclusive()
                 .all(&**tx)
                 .await?;
@@ -131,8 +133,8 @@ async fn send_in(
     }
 
     let now = now_millis();
-    let message_id = Uuid::now_v7();
-    let run_id = Uuid::now_v7();
+    let message_id = new_id();
+    let run_id = new_id();
     let message = message::ActiveModel {
         id: Set(message_id),
         conversation_id: Set(conversation.id),
@@ -141,6 +143,7 @@ async fn send_in(
         run_id: Set(Some(run_id)),
         client_message_id: Set(new.client_message_id.clone()),
         created_at: Set(now),
+        run_seq: Set(conversation.run_seq),
     }
     .insert(&**tx)
     .await
@@ -152,7 +155,7 @@ async fn send_in(
         }
     })?;
     part::ActiveModel {
-        id: Set(Uuid::now_v7()),
+        id: Set(new_id()),
         message_id: Set(message_id),
         conversation_id: Set(conversation.id),
         tenant: Set(actor.tenant.clone()),
@@ -197,6 +200,7 @@ async fn send_in(
         active_ms: Set(0),
         end_reason: Set(None),
         claimed_at: Set(None),
+        seq: Set(conversation.run_seq),
     }
     .insert(&**tx)
     .await?;

@@ -5,11 +5,10 @@
 use sea_orm::ActiveValue::Set;
 use sea_orm::sea_query::OnConflict;
 use sea_orm::{ColumnTrait, ConnectionTrait, EntityTrait, QueryFilter, QueryOrder};
-use uuid::Uuid;
 
 use super::entities::connection;
 use super::{Error, Result, Store};
-use crate::domain::time::now_millis;
+use crate::domain::time::{new_id, now_millis};
 
 /// Whose connection, to which provider.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -64,7 +63,7 @@ pub async fn save_in<C: ConnectionTrait>(db: &C, owner: Owner<'_>, sealed: Seale
     let now = now_millis();
     let scopes = serde_json::to_value(&sealed.scopes).map_err(|e| Error::Corrupt(e.to_string()))?;
     connection::Entity::insert(connection::ActiveModel {
-        id: Set(Uuid::now_v7()),
+        id: Set(new_id()),
         tenant: Set(owner.tenant.to_owned()),
         principal: Set(owner.principal.to_owned()),
         provider: Set(owner.provider.to_owned()),

@@ -15,6 +15,9 @@ pub mod conversation {
         pub created_at: i64,
         /// The newest event sequence number; bumped under this row's lock.
         pub event_seq: i64,
+        /// The newest run's number (`runs.seq`); bumped under this row's
+        /// lock.
+        pub run_seq: i64,
     }
 
     #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]
@@ -37,6 +40,9 @@ pub mod message {
         pub run_id: Option<Uuid>,
         pub client_message_id: Option<String>,
         pub created_at: i64,
+        /// The number of the run the message belongs to (`runs.seq`): the
+        /// one it started, or the one that wrote it.
+        pub run_seq: i64,
     }
 
     #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]
@@ -116,6 +122,10 @@ pub mod run {
         pub claimed_at: Option<i64>,
         /// Which limit or stop condition ended the run, in words.
         pub end_reason: Option<String>,
+        /// The run's place in its conversation (1, 2, ...), allocated under
+        /// the conversation's lock: runs execute, and show, in this order,
+        /// whatever the clocks of the processes that made their ids.
+        pub seq: i64,
     }
 
     #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]
@@ -195,6 +205,8 @@ pub mod summary {
         pub input_tokens: i64,
         pub output_tokens: i64,
         pub created_at: i64,
+        /// The number of the run that made it (`runs.seq`).
+        pub run_seq: i64,
     }
 
     #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]

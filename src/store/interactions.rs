@@ -26,7 +26,7 @@ use crate::domain::interaction::{
     validate_answers,
 };
 use crate::domain::run::{EndCause, RunError, RunInput, RunStatus, Usage, Waiting, transition};
-use crate::domain::time::now_millis;
+use crate::domain::time::{new_id, now_millis};
 use crate::domain::tool_call::{ToolInput, closing_output};
 
 /// What an approval would run, stored when it is asked for: the resumed run
@@ -150,7 +150,7 @@ async fn open_interaction(
     request: Value,
     ttl_ms: i64,
 ) -> Result<(Uuid, Vec<NewEvent>)> {
-    let id = Uuid::now_v7();
+    let id = new_id();
     let message_id = commit::assistant_message(tx, row).await?;
     let part_kind = match kind {
         InteractionKind::Question => PartKind::Question,
@@ -780,7 +780,7 @@ pub async fn resolve(
     };
     if let (Some((scope, conversation, principal)), Some(tool)) = (scope, tool_name) {
         grant::ActiveModel {
-            id: Set(Uuid::now_v7()),
+            id: Set(new_id()),
             tenant: Set(actor.tenant.clone()),
             scope: Set(scope.to_owned()),
             conversation_id: Set(conversation),

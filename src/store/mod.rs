@@ -88,18 +88,44 @@ pub struct Store {
     write_lane: Option<Arc<Mutex<()>>>,
     /// SQLite: writes waiting to be committed together (`commit/group.rs`).
     pending: Option<Arc<commit::Pending>>,
+    url: String,
+    /// The pools run under PostgreSQL's `statement_timeout`.
+    statement_timeout: bool,
 }
 
-/// API read connections when the caller does not say.
-pub const DEFAULT_READ_CONNECTIONS: u32 = 8;
+/// The connection pools' settings (`[database]` and `api.read_connections`).
+#[derive(Debug, Clone)]
+pub struct Pools {
+    /// The pool for writes and the workers' reads; `None`: 8 on SQLite, 16
+    /// on PostgreSQL.
+    pub connections: Option<u32>,
+    /// The API's read pool.
+    pub read_connections: u32,
+    /// How long a query waits for a free connection.
+    pub acquire_timeout: Duration,
+    /// PostgreSQL's `statement_timeout` on every pooled connection.
+    pub statement_timeout: Option<Duration>,
+}
+
+impl Default for Pools {
+    fn default() -> Self {
+        Pools {
+            connections: None,
+            read_connections: 8,
+            acquire_timeout: Duration::from_secs(30),
+            statement_timeout: None,
+        }
+    }
+}
 
 /// On SQLite, WAL, a busy timeout, the file created if missing, and foreign
-/// keys; on every backend, a pool of at most `max` connections.
-fn connect_options(url: &str, max: u32, min: u32) -> ConnectOptions {
+/// keys; on PostgreSQL, the statement timeout; on every backend, a pool of
+/// at most `max` connections.
+fn connect_options(url: &str, max: u32, min: u32, pools: &Pools) -> ConnectOptions {
     let mut options = ConnectOptions::new(url.to_owned());
     options
         .sqlx_logging(false)
-        .acquire_timeout(Duration::from_secs(30))
+        .acquire_timeout(pools.acquire_timeout)
         .max_connections(max)
         .min_connections(min);
     if url.starts_with("sqlite:") {
@@ -110,25 +136,28 @@ fn connect_options(url: &str, max: u32, min: u32) -> ConnectOptions {
                 .create_if_missing(true)
                 .foreign_keys(true)
         });
+    } else if let Some(timeout) = pools.statement_timeout {
+        let ms = format!("{}ms", timeout.as_millis());
+        options.map_sqlx_postgres_opts(move |o| o.options([("statement_timeout", ms.as_str())]));
     }
     options
 }
 
 impl Store {
     /// Connects with settings fit for concurrent use, and with the default
-    /// pool for API reads.
+    /// pools.
     pub async fn connect(url: &str, bus: Bus) -> Result<Store> {
-        Store::connect_with(url, bus, DEFAULT_READ_CONNECTIONS).await
+        Store::connect_with(url, bus, &Pools::default()).await
     }
 
     /// Connects two pools: one for writes and the workers' reads, and one of
     /// `read_connections` for the API's read snapshots, so that expensive
     /// queries wait for connections of their own and never for the workers'.
     /// On SQLite, WAL lets those snapshots read beside the writer.
-    pub async fn connect_with(url: &str, bus: Bus, read_connections: u32) -> Result<Store> {
+    pub async fn connect_with(url: &str, bus: Bus, pools: &Pools) -> Result<Store> {
         let sqlite = url.starts_with("sqlite:");
-        let main = if sqlite { 8 } else { 16 };
-        let db = Database::connect(connect_options(url, main, 1)).await?;
+        let main = pools.connections.unwrap_or(if sqlite { 8 } else { 16 });
+        let db = Database::connect(connect_options(url, main, 1, pools)).await?;
         let read_statements = Arc::new(AtomicU64::new(0));
         // Each pool opened on an in-memory URL is a database of its own: the
         // API reads through the main pool there.
@@ -137,7 +166,8 @@ impl Store {
             db.clone()
         } else {
             // After the main pool, which has created the file and turned WAL on.
-            let mut reads = Database::connect(connect_options(url, read_connections, 0)).await?;
+            let mut reads =
+                Database::connect(connect_options(url, pools.read_connections, 0, pools)).await?;
             let counter = read_statements.clone();
             reads.set_metric_callback(move |_| {
                 counter.fetch_add(1, Ordering::Relaxed);
@@ -152,11 +182,26 @@ impl Store {
             writes: Arc::default(),
             write_lane: sqlite.then(Arc::default),
             pending: sqlite.then(Arc::default),
+            url: url.to_owned(),
+            statement_timeout: pools.statement_timeout.is_some(),
         })
     }
 
+    /// Brings the schema up to date. Under a statement timeout, through a
+    /// connection of its own without one: a migration may take longer than
+    /// any query should.
     pub async fn migrate(&self) -> Result<()> {
-        Migrator::up(&self.db, None).await?;
+        if self.statement_timeout {
+            let unlimited = Pools {
+                statement_timeout: None,
+                ..Pools::default()
+            };
+            let db = Database::connect(connect_options(&self.url, 1, 0, &unlimited)).await?;
+            Migrator::up(&db, None).await?;
+            db.close().await?;
+        } else {
+            Migrator::up(&self.db, None).await?;
+        }
         Ok(())
     }
 

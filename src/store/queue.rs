@@ -7,6 +7,8 @@ use sea_orm::{
     QueryOrder, QuerySelect, Statement, Value,
 };
 
+use uuid::Uuid;
+
 use super::commit::{self, Begun, Lease, Log};
 use super::entities::run;
 use super::{Result, Store};
@@ -15,10 +17,14 @@ use crate::domain::run::{EndCause, RunError, RunInput, RunStatus, transition};
 use crate::domain::time::now_millis;
 use crate::failpoints;
 
-/// Claims up to `limit` of the oldest runs that may run now: queued (or due
-/// for a retry), and not behind an unended older run of their conversation.
-/// Returns them with their new leases, in one statement. On PostgreSQL
-/// concurrent claimers skip each other's rows.
+/// Claims up to `limit` runs that may run now: queued (or due for a retry),
+/// and not behind an unended earlier run of their conversation (by `seq`),
+/// so at most one run of a conversation at a time. Among those, the one
+/// that has been ready longest goes first: a run becomes ready when it is
+/// queued or when the run before it ends, so a conversation with a long
+/// queue takes its turn after the others that were waiting, round-robin,
+/// and never holds them up. Returns them with their new leases, in one
+/// statement. On PostgreSQL concurrent claimers skip each other's rows.
 pub async fn claim(
     store: &Store,
     owner: &str,
@@ -116,9 +122,9 @@ async fn claim_in<C: ConnectionTrait>(
         .map(|s| format!("'{}'", s.as_str()))
         .collect::<Vec<_>>()
         .join(", ");
-    let skip_locked = match backend {
-        DatabaseBackend::Postgres => " FOR UPDATE SKIP LOCKED",
-        _ => "",
+    let (skip_locked, greatest) = match backend {
+        DatabaseBackend::Postgres => (" FOR UPDATE SKIP LOCKED", "GREATEST"),
+        _ => ("", "MAX"),
     };
     // Named columns, not `*`: sqlx's SQLite driver keeps the column list it
     // saw when it first prepared a statement, and a `*` that grew under it
@@ -138,8 +144,12 @@ async fn claim_in<C: ConnectionTrait>(
            SELECT r.id FROM runs r \
            WHERE (r.status = 'QUEUED' OR (r.status = 'RETRY_PENDING' AND r.next_attempt_at <= {p_due})) \
            AND NOT EXISTS (SELECT 1 FROM runs o WHERE o.conversation_id = r.conversation_id \
-                           AND o.id < r.id AND o.status IN ({unended})) \
-           ORDER BY r.id LIMIT {limit}{skip_locked}) \
+                           AND o.seq < r.seq AND o.status IN ({unended})) \
+           ORDER BY CASE WHEN r.status = 'RETRY_PENDING' THEN r.next_attempt_at \
+             ELSE {greatest}(r.created_at, COALESCE((SELECT p.ended_at FROM runs p \
+               WHERE p.conversation_id = r.conversation_id AND p.seq < r.seq \
+               ORDER BY p.seq DESC LIMIT 1), 0)) END, r.seq, r.id \
+           LIMIT {limit}{skip_locked}) \
          RETURNING {columns}"
     );
     let values: Vec<Value> = vec![
@@ -210,6 +220,22 @@ pub struct Held {
     pub run_id: uuid::Uuid,
     pub epoch: i64,
     pub expires_at: Option<i64>,
+}
+
+/// The runs held under `owner` whose cancellation was requested. Workers
+/// look every second, so that a cancel asked of another process reaches
+/// them whether or not a notification does (SQLite has none, and a
+/// PostgreSQL listener may be reconnecting).
+pub async fn cancels_requested(store: &Store, owner: &str) -> Result<Vec<Uuid>> {
+    Ok(run::Entity::find()
+        .select_only()
+        .column(run::Column::Id)
+        .filter(run::Column::Status.eq(RunStatus::Running.as_str()))
+        .filter(run::Column::LeaseOwner.eq(owner))
+        .filter(run::Column::CancelRequested.eq(true))
+        .into_tuple()
+        .all(store.db())
+        .await?)
 }
 
 /// The leases held under `owner` now. A process restarted with the same
@@ -331,7 +357,47 @@ async fn recover(store: &Store, seen: run::Model, which: Reclaim<'_>, budget: u3
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::test_support::{queued_run, temp_store};
+    use crate::store::test_support::{conversation, queued_run, send_hi, temp_store};
+
+    /// Claims one run, as a worker with one slot would, and ends it; the
+    /// run claimed.
+    async fn claim_one_and_end_it(store: &Store) -> run::Model {
+        let mut claimed = claim(store, "w", 60_000, 1).await.unwrap();
+        assert_eq!(claimed.len(), 1, "one run to claim");
+        reclaim(store, Reclaim::All, 0).await.unwrap();
+        claimed.remove(0)
+    }
+
+    #[tokio::test]
+    async fn runs_are_numbered_in_their_conversation_and_claimed_in_turn() {
+        let (store, dir) = temp_store().await;
+        let long = conversation(&store).await;
+        let mut long_runs = Vec::new();
+        for _ in 0..4 {
+            long_runs.push(send_hi(&store, long.id, 1).await);
+        }
+        let seqs: Vec<i64> = long_runs.iter().map(|r| r.seq).collect();
+        assert_eq!(seqs, [1, 2, 3, 4]);
+        let mut others = Vec::new();
+        for _ in 0..3 {
+            others.push(queued_run(&store).await);
+        }
+        assert!(others.iter().all(|r| r.seq == 1));
+
+        // The long conversation's first run was ready first; its second
+        // became ready when the first ended, after the others had queued.
+        let mut order = Vec::new();
+        for _ in 0..5 {
+            order.push(claim_one_and_end_it(&store).await.id);
+        }
+        let expected: Vec<Uuid> = [long_runs[0].id]
+            .into_iter()
+            .chain(others.iter().map(|r| r.id))
+            .chain([long_runs[1].id])
+            .collect();
+        assert_eq!(order, expected);
+        std::fs::remove_dir_all(dir).ok();
+    }
 
     #[tokio::test]
     async fn a_lease_renewed_after_the_sweep_listed_it_is_not_recovered() {

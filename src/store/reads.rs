@@ -105,20 +105,19 @@ pub async fn messages<C: ConnectionTrait>(
     Ok(rows)
 }
 
-/// A conversation's messages from `from` on (that one included), oldest
-/// first: a range of the `(conversation_id, id)` index, however long the
-/// conversation before it.
-pub async fn messages_from<C: ConnectionTrait>(
+/// A conversation's messages of the run numbered `from` and every later
+/// one (`runs.seq`): a range of the `(conversation_id, run_seq)` index,
+/// however long the conversation before it. In no particular order.
+pub async fn messages_from_run<C: ConnectionTrait>(
     db: &C,
     tenant: &str,
     conversation_id: Uuid,
-    from: Uuid,
+    from: i64,
 ) -> Result<Vec<message::Model>> {
     Ok(message::Entity::find()
         .filter(message::Column::Tenant.eq(tenant))
         .filter(message::Column::ConversationId.eq(conversation_id))
-        .filter(message::Column::Id.gte(from))
-        .order_by(message::Column::Id, Order::Asc)
+        .filter(message::Column::RunSeq.gte(from))
         .all(db)
         .await?)
 }
@@ -166,7 +165,7 @@ pub async fn run<C: ConnectionTrait>(db: &C, tenant: &str, id: Uuid) -> Result<O
     owned::<run::Entity, _>(db, run::Column::Tenant, tenant, id).await
 }
 
-/// A conversation's last `last` runs, oldest first.
+/// A conversation's last `last` runs, oldest first (by `seq`).
 pub async fn runs_of<C: ConnectionTrait>(
     db: &C,
     tenant: &str,
@@ -176,7 +175,7 @@ pub async fn runs_of<C: ConnectionTrait>(
     let mut rows = run::Entity::find()
         .filter(run::Column::Tenant.eq(tenant))
         .filter(run::Column::ConversationId.eq(conversation_id))
-        .order_by(run::Column::Id, Order::Desc)
+        .order_by(run::Column::Seq, Order::Desc)
         .limit(last)
         .all(db)
         .await?;
@@ -184,23 +183,23 @@ pub async fn runs_of<C: ConnectionTrait>(
     Ok(rows)
 }
 
-/// A conversation's runs that have not ended, oldest first.
+/// A conversation's runs that have not ended, in their order (`seq`).
 pub async fn unended_runs<C: ConnectionTrait>(
     db: &C,
     tenant: &str,
     conversation_id: Uuid,
 ) -> Result<Vec<run::Model>> {
-    // Sorted here, not in SQL: with an `ORDER BY id` SQLite walks the
-    // `(conversation_id, id)` index through every run the conversation ever
+    // Sorted here, not in SQL: with an `ORDER BY seq` SQLite walks the
+    // `(conversation_id, seq)` index through every run the conversation ever
     // had to save a sort, instead of reading the few unended ones from
-    // `(conversation_id, status, id)`.
+    // `(conversation_id, status, seq)`.
     let mut rows = run::Entity::find()
         .filter(run::Column::Tenant.eq(tenant))
         .filter(run::Column::ConversationId.eq(conversation_id))
         .filter(run::Column::Status.is_in(RunStatus::not_ended().map(RunStatus::as_str)))
         .all(db)
         .await?;
-    rows.sort_by_key(|row| row.id);
+    rows.sort_by_key(|row| row.seq);
     Ok(rows)
 }
 

@@ -21,7 +21,7 @@ use super::{Error, Result, Store};
 use crate::domain::cursor::Cursor;
 use crate::domain::event::{EventBody, EventKind, NewEvent};
 use crate::domain::run::{RunError, RunInput, RunStatus, Usage, transition};
-use crate::domain::time::now_millis;
+use crate::domain::time::{new_id, now_millis};
 use crate::domain::{PartKind, PartState};
 
 /// The first commit of a claim (where the claim did not start the run
@@ -204,7 +204,7 @@ pub async fn record_compaction(
 ) -> Result<(Usage, Cursor)> {
     let (mut tx, conversation, row) = open(store, lease).await?;
     summary::ActiveModel {
-        id: Set(Uuid::now_v7()),
+        id: Set(new_id()),
         conversation_id: Set(row.conversation_id),
         tenant: Set(row.tenant.clone()),
         run_id: Set(row.id),
@@ -214,6 +214,7 @@ pub async fn record_compaction(
         input_tokens: Set(compaction.input_tokens),
         output_tokens: Set(compaction.output_tokens),
         created_at: Set(now_millis()),
+        run_seq: Set(row.seq),
     }
     .insert(&*tx)
     .await?;

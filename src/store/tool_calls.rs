@@ -19,7 +19,7 @@ use super::entities::tool_call;
 use super::{Error, Result, Store};
 use crate::domain::cursor::Cursor;
 use crate::domain::event::EventKind;
-use crate::domain::time::now_millis;
+use crate::domain::time::{new_id, now_millis};
 use crate::domain::tool_call::{
     InlineOutput, ToolCallState, ToolCallStatus, ToolInput, ToolOutcome, closing_output,
     inline_output,
@@ -78,7 +78,7 @@ pub async fn request(
     let now = now_millis();
     let mut stored = Vec::with_capacity(calls.len());
     for (idx, call) in calls.into_iter().enumerate() {
-        let id = Uuid::now_v7();
+        let id = new_id();
         let content = PartContent::data(PartKind::ToolCall, json!({ "toolCallId": id }));
         let part = commit::add_part(&tx, &row, message_id, content).await?;
         events.push(commit::part_event(EventKind::PartAdded, &row, &part, None)?);

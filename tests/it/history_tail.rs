@@ -98,6 +98,7 @@ impl Conversation {
             run_id: Set(Some(run.id)),
             client_message_id: Set(None),
             created_at: Set(0),
+            run_seq: Set(run.seq),
         }
         .insert(db)
         .await
@@ -254,6 +255,7 @@ impl Conversation {
             input_tokens: Set(0),
             output_tokens: Set(0),
             created_at: Set(0),
+            run_seq: Set(by.seq),
         }
         .insert(self.store.db())
         .await
@@ -504,13 +506,13 @@ async fn the_reads_of_a_step_and_of_a_page_search_indexes() {
     let reads = [
         (
             "SELECT * FROM summaries WHERE tenant = 'a' AND conversation_id = 'c' \
-             AND run_id <= 'r' ORDER BY id DESC LIMIT 1",
-            "summaries_conversation (conversation_id=?)",
+             AND run_seq <= 5 ORDER BY run_seq DESC, id DESC LIMIT 1",
+            "summaries_conversation_run_seq (conversation_id=? AND run_seq<?)",
         ),
         (
             "SELECT * FROM messages WHERE tenant = 'a' AND conversation_id = 'c' \
-             AND id >= 'm' ORDER BY id ASC",
-            "messages_conversation_id (conversation_id=? AND id>?)",
+             AND run_seq >= 5",
+            "messages_conversation_run_seq (conversation_id=? AND run_seq>?)",
         ),
         (
             "SELECT * FROM messages WHERE tenant = 'a' AND conversation_id = 'c' \
@@ -544,15 +546,20 @@ async fn the_reads_of_a_step_and_of_a_page_search_indexes() {
                 "SELECT * FROM runs WHERE tenant = 'a' AND conversation_id = 'c' \
                  AND status IN {unended}"
             ),
-            "runs_conversation_status (conversation_id=? AND status=?)",
+            "runs_conversation_status_seq (conversation_id=? AND status=?)",
         ),
         (
             &format!(
                 "SELECT 1 FROM runs r WHERE r.status = 'QUEUED' AND NOT EXISTS \
                  (SELECT 1 FROM runs o WHERE o.conversation_id = r.conversation_id \
-                 AND o.id < r.id AND o.status IN {unended})"
+                 AND o.seq < r.seq AND o.status IN {unended})"
             ),
-            "runs_conversation_status (conversation_id=? AND status=? AND id<?)",
+            "runs_conversation_status_seq (conversation_id=? AND status=? AND seq<?)",
+        ),
+        (
+            "SELECT p.ended_at FROM runs p WHERE p.conversation_id = 'c' AND p.seq < 5 \
+             ORDER BY p.seq DESC LIMIT 1",
+            "runs_conversation_seq (conversation_id=? AND seq<?)",
         ),
     ];
     for (sql, index) in reads {

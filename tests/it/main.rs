@@ -25,6 +25,7 @@ mod providers;
 mod query_cost;
 mod retries;
 mod runs;
+mod scale_out;
 mod schema_drift;
 mod secrets;
 mod startup;

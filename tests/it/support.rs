@@ -312,6 +312,15 @@ async fn launch(
     Launch::Serving { child, base, log }
 }
 
+/// Another process on a `Server`'s database; it stops when dropped.
+pub struct Companion {
+    pub child: Child,
+    /// Where it serves, `http://host:port`.
+    pub base: String,
+    /// Its `TETHER_INSTANCE_ID`, which its leases carry.
+    pub instance: String,
+}
+
 pub struct ServerOptions {
     pub config: String,
     pub env: Vec<(String, String)>,
@@ -402,6 +411,32 @@ impl Server {
         }
     }
 
+    /// `companion`, with its own configuration and `env` on top of this
+    /// server's environment; its logs join this server's.
+    pub async fn companion_with(
+        &self,
+        role: &'static str,
+        config: &str,
+        env: &[(&str, &str)],
+    ) -> Companion {
+        let options = ServerOptions {
+            config: config.to_owned(),
+            env: self.options.env.clone(),
+            role,
+        };
+        let instance = format!("it-{}", Uuid::now_v7().simple());
+        match launch(&self.db, &options, &instance, env, &self.logs).await {
+            Launch::Serving { child, base, .. } => Companion {
+                child,
+                base,
+                instance,
+            },
+            Launch::Exited { status, stderr } => {
+                panic!("the {role} companion exited ({status}): {stderr}")
+            }
+        }
+    }
+
     /// Launches another process on the same database with this server's
     /// configuration, the given role, and this server's instance id or a
     /// fresh one; it may refuse to start.
@@ -480,6 +515,24 @@ impl Server {
         self.logs.text.lock().unwrap().clone()
     }
 
+    /// Waits until the logs of this server's processes (companions
+    /// started with `companion_with` included) hold `needle` `times` times;
+    /// returns them.
+    pub async fn wait_for_log(&self, needle: &str, times: usize) -> String {
+        let deadline = tokio::time::Instant::now() + PATIENCE;
+        loop {
+            let text = self.logs.text.lock().unwrap().clone();
+            if text.matches(needle).count() >= times {
+                return text;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the logs never said {needle:?} {times} times: {text}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     /// The configuration the next `restart` uses (a deployment that changes
     /// it).
     pub fn set_config(&mut self, config: String) {
@@ -505,9 +558,20 @@ impl Server {
 
     /// Posts a GraphQL request; returns the HTTP status and the JSON body.
     pub async fn post(&self, token: Option<&str>, query: &str, variables: Value) -> (u16, Value) {
+        self.post_at(&self.base, token, query, variables).await
+    }
+
+    /// `post` to another process (a companion) serving at `base`.
+    pub async fn post_at(
+        &self,
+        base: &str,
+        token: Option<&str>,
+        query: &str,
+        variables: Value,
+    ) -> (u16, Value) {
         let mut request = self
             .http
-            .post(format!("{}/graphql", self.base))
+            .post(format!("{base}/graphql"))
             .json(&json!({ "query": query, "variables": variables }));
         if let Some(token) = token {
             request = request.bearer_auth(token);
@@ -577,13 +641,28 @@ impl Server {
 
     /// Sends a message; returns (message id, run id).
     pub async fn send(&self, token: &str, conversation: &str, text: &str) -> (String, String) {
-        let data = self
-            .gql(
-                token,
+        self.send_at(&self.base, token, conversation, text).await
+    }
+
+    /// `send` through another process (a companion) serving at `base`.
+    pub async fn send_at(
+        &self,
+        base: &str,
+        token: &str,
+        conversation: &str,
+        text: &str,
+    ) -> (String, String) {
+        let (status, body) = self
+            .post_at(
+                base,
+                Some(token),
                 "mutation($c: ID!, $t: String!) { sendMessage(input: {conversationId: $c, text: $t}) { message { id } run { id } } }",
                 json!({ "c": conversation, "t": text }),
             )
             .await;
+        assert_eq!(status, 200, "{body}");
+        assert!(body.get("errors").is_none(), "unexpected errors: {body}");
+        let data = &body["data"];
         (
             data["sendMessage"]["message"]["id"]
                 .as_str()
@@ -718,18 +797,18 @@ pub enum Ending {
 
 impl WsClient {
     pub async fn open(server: &Server, protocol: &'static str) -> WsClient {
-        WsClient::open_with(server, protocol, None).await
+        WsClient::open_with(&server.addr, protocol, None).await
     }
 
     /// `open`, with the socket's receive buffer set to `receive_buffer`
     /// bytes: a client that stops reading then stalls the server's writes
     /// after a few frames, instead of the kernel absorbing megabytes.
     async fn open_with(
-        server: &Server,
+        addr: &str,
         protocol: &'static str,
         receive_buffer: Option<u32>,
     ) -> WsClient {
-        let mut request = format!("ws://{}/graphql", server.addr)
+        let mut request = format!("ws://{addr}/graphql")
             .into_client_request()
             .unwrap();
         request
@@ -739,7 +818,7 @@ impl WsClient {
         if let Some(bytes) = receive_buffer {
             tcp.set_recv_buffer_size(bytes).unwrap();
         }
-        let stream = tcp.connect(server.addr.parse().unwrap()).await.unwrap();
+        let stream = tcp.connect(addr.parse().unwrap()).await.unwrap();
         let stream = tokio_tungstenite::MaybeTlsStream::Plain(stream);
         let (socket, response) = tokio_tungstenite::client_async(request, stream)
             .await
@@ -753,16 +832,21 @@ impl WsClient {
 
     /// Opens and initialises with a token; panics unless acknowledged.
     pub async fn connect(server: &Server, token: &str) -> WsClient {
-        WsClient::connect_with(server, token, None).await
+        WsClient::connect_with(&server.addr, token, None).await
+    }
+
+    /// `connect` to another process (a companion) serving at `base`.
+    pub async fn connect_at(base: &str, token: &str) -> WsClient {
+        WsClient::connect_with(base.trim_start_matches("http://"), token, None).await
     }
 
     /// `connect` with a small receive buffer (see `open_with`).
     pub async fn connect_slow(server: &Server, token: &str) -> WsClient {
-        WsClient::connect_with(server, token, Some(4096)).await
+        WsClient::connect_with(&server.addr, token, Some(4096)).await
     }
 
-    async fn connect_with(server: &Server, token: &str, receive_buffer: Option<u32>) -> WsClient {
-        let mut client = WsClient::open_with(server, "graphql-transport-ws", receive_buffer).await;
+    async fn connect_with(addr: &str, token: &str, receive_buffer: Option<u32>) -> WsClient {
+        let mut client = WsClient::open_with(addr, "graphql-transport-ws", receive_buffer).await;
         client.init_with(token).await;
         client
     }

@@ -185,6 +185,29 @@ impl WriteTx {
             .ok_or(Error::NotFound)
     }
 
+    /// `lock_conversation`, taking the conversation's next run number
+    /// (`run_seq` of the row returned) with the lock, in one statement. A
+    /// number taken by a transaction that then stores no run is skipped:
+    /// runs are ordered by their numbers, which need no gaps.
+    pub async fn lock_conversation_for_run(
+        &self,
+        id: Uuid,
+        tenant: &str,
+    ) -> Result<conversation::Model> {
+        conversation::Entity::update_many()
+            .col_expr(
+                conversation::Column::RunSeq,
+                Expr::col(conversation::Column::RunSeq).add(1),
+            )
+            .filter(conversation::Column::Id.eq(id))
+            .filter(conversation::Column::Tenant.eq(tenant))
+            .exec_with_returning(&self.tx)
+            .await?
+            .into_iter()
+            .next()
+            .ok_or(Error::NotFound)
+    }
+
     /// Appends events to a conversation's log in this transaction. Sequence
     /// numbers come from the conversation row, whose lock is held until
     /// commit: a later number is always a later commit.

@@ -8,7 +8,7 @@ use uuid::Uuid;
 
 use super::WriteTx;
 use crate::domain::event::{EventBody, EventKind, NewEvent};
-use crate::domain::time::now_millis;
+use crate::domain::time::{new_id, now_millis};
 use crate::domain::{MessageRole, PartKind, PartState};
 use crate::store::entities::{message, part, run};
 use crate::store::{Error, Result, parse_stored};
@@ -143,7 +143,7 @@ pub(in crate::store) async fn insert_part(
 ) -> Result<part::Model> {
     let now = now_millis();
     Ok(part::ActiveModel {
-        id: Set(Uuid::now_v7()),
+        id: Set(new_id()),
         message_id: Set(message_id),
         conversation_id: Set(run.conversation_id),
         tenant: Set(run.tenant.clone()),

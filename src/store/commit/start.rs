@@ -14,7 +14,7 @@ use super::parts::{OpenPart, PartContent, insert_part, next_index, part_event};
 use crate::domain::cursor::Cursor;
 use crate::domain::event::{EventKind, NewEvent};
 use crate::domain::run::RunStatus;
-use crate::domain::time::now_millis;
+use crate::domain::time::{new_id, now_millis};
 use crate::domain::{MessageRole, PartKind};
 use crate::store::Result;
 use crate::store::entities::{message, run, tool_call};
@@ -39,7 +39,7 @@ pub(in crate::store) async fn assistant_message_new(
     row: &run::Model,
     events: &mut Vec<NewEvent>,
 ) -> Result<Uuid> {
-    let id = Uuid::now_v7();
+    let id = new_id();
     message::ActiveModel {
         id: Set(id),
         conversation_id: Set(row.conversation_id),
@@ -48,6 +48,7 @@ pub(in crate::store) async fn assistant_message_new(
         run_id: Set(Some(row.id)),
         client_message_id: Set(None),
         created_at: Set(now_millis()),
+        run_seq: Set(row.seq),
     }
     .insert(&**tx)
     .await?;
