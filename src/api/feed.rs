@@ -3,22 +3,25 @@
 //! repaired from the log, never skipped.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use futures_util::Stream;
 use tokio::sync::broadcast;
 use tokio::sync::broadcast::error::RecvError;
+use tokio::time::Instant;
 use uuid::Uuid;
 
 use crate::bus::Signal;
 use crate::domain::cursor::Cursor;
 use crate::domain::event::Event;
-use crate::store::{Result, Store, reads};
+use crate::domain::retry::RetryPolicy;
+use crate::store::{Error, Result, Store, reads};
 
 /// Events read from the log per query while catching up.
 const PAGE: u64 = 500;
 
 /// How often the head watcher looks at the logs of watched conversations.
-const WATCH_EVERY: std::time::Duration = std::time::Duration::from_secs(1);
+const WATCH_EVERY: Duration = Duration::from_secs(1);
 
 /// Conversations whose heads one query reads.
 const HEADS_PER_QUERY: usize = 500;
@@ -98,16 +101,43 @@ struct Reader {
     conversation_id: Uuid,
 }
 
-/// The page of the log after `after`.
+/// How long a feed keeps reading the log again while the database cannot
+/// be reached (a restart, a cut connection) before it gives up; the client
+/// then subscribes again from its last cursor.
+const READ_PATIENCE: Duration = Duration::from_secs(60);
+
+/// The waits between those reads: from 100 ms, doubling up to 2 s.
+const READ_AGAIN: RetryPolicy = RetryPolicy {
+    max_attempts: u32::MAX,
+    initial_delay: Duration::from_millis(100),
+    max_delay: Duration::from_secs(2),
+};
+
+/// The page of the log after `after`. A read the database failed is tried
+/// again, for up to `READ_PATIENCE`: a subscription outlives a database
+/// restart without losing its place.
 async fn read_page(reader: Reader, after: Cursor) -> Result<Vec<Event>> {
-    reads::events_after(
-        reader.store.api_reads(),
-        &reader.tenant,
-        reader.conversation_id,
-        after,
-        PAGE,
-    )
-    .await
+    let started = Instant::now();
+    let mut failures = 0;
+    loop {
+        let read = reads::events_after(
+            reader.store.api_reads(),
+            &reader.tenant,
+            reader.conversation_id,
+            after,
+            PAGE,
+        )
+        .await;
+        match read {
+            Err(Error::Database(err)) if started.elapsed() < READ_PATIENCE => {
+                failures += 1;
+                tracing::debug!(error = %err, "reading the log failed; reading it again");
+                let wait = READ_AGAIN.delay(failures, None, fastrand::f64());
+                tokio::time::sleep(wait).await;
+            }
+            read => return read,
+        }
+    }
 }
 
 impl Drop for Feed {
@@ -212,7 +242,7 @@ impl Feed {
                     // message is the server's own business.
                     Some(read) => read.await.map_err(|err| {
                         tracing::error!(error = %err, "reading the log ahead failed");
-                        crate::store::Error::Unavailable(
+                        Error::Unavailable(
                             "the log could not be read; subscribe again from the last cursor"
                                 .into(),
                         )

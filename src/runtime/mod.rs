@@ -18,15 +18,24 @@ use tokio_util::task::AbortOnDropHandle;
 use uuid::Uuid;
 
 use crate::config::FileConfig;
+use crate::domain::retry::RetryPolicy;
 use crate::store::Store;
 use crate::store::commit::Lease;
 use crate::store::interactions;
 use crate::store::queue::{self, Heartbeat, Reclaim};
 use crate::tools::registry::Registry as ToolRegistry;
-use engine::{Control, Stop};
+use engine::{Control, Executed, Stop};
 
 /// How often workers look for cancellations that no notification brought.
 const CANCEL_POLL: Duration = Duration::from_secs(1);
+
+/// The waits between attempts to give a failed run back: from 100 ms,
+/// doubling up to 2 s.
+const GIVE_BACK_AGAIN: RetryPolicy = RetryPolicy {
+    max_attempts: u32::MAX,
+    initial_delay: Duration::from_millis(100),
+    max_delay: Duration::from_secs(2),
+};
 
 pub struct RuntimeOptions {
     /// Names this process's leases; a restart with the same id reclaims
@@ -276,7 +285,7 @@ async fn hold(
     let lease_ms = (rt.lease_secs * 1000.0) as i64;
     let every = Duration::from_secs_f64(rt.heartbeat_secs);
     let heartbeat = {
-        let (store, control) = (store.clone(), control.clone());
+        let (store, control, lease) = (store.clone(), control.clone(), lease.clone());
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(every);
             tick.tick().await;
@@ -299,8 +308,41 @@ async fn hold(
     // Aborted however the execution ends (a panic, or the task aborted at
     // the end of the shutdown grace): a lease nobody works under must run
     // out so that the run is recovered.
-    let _heartbeat = AbortOnDropHandle::new(heartbeat);
-    engine::execute(store, config, tools, claimed, control).await;
+    let heartbeat = AbortOnDropHandle::new(heartbeat);
+    let executed = engine::execute(store.clone(), config.clone(), tools, claimed, control).await;
+    if let Executed::Failed { run_at_fault } = executed {
+        drop(heartbeat);
+        let within = Duration::from_millis(lease_ms.max(0) as u64);
+        let budget = run_at_fault.then_some(rt.crash_retry_budget);
+        give_back(&store, &lease, budget, within).await;
+    }
+}
+
+/// Gives back a run whose execution failed (`queue::abandon`), trying again
+/// while the database cannot be reached, for as long as the lease would
+/// have lasted: past that, the sweep of whichever process is up recovers
+/// it anyway.
+async fn give_back(store: &Store, lease: &Lease, budget: Option<u32>, within: Duration) {
+    let started = tokio::time::Instant::now();
+    let mut failures = 0;
+    loop {
+        match queue::abandon(store, lease, budget).await {
+            Ok(_) => return,
+            Err(err) if started.elapsed() < within => {
+                failures += 1;
+                tracing::debug!(error = %err, run_id = %lease.run_id, "giving a run back failed");
+                tokio::time::sleep(GIVE_BACK_AGAIN.delay(failures, None, fastrand::f64())).await;
+            }
+            Err(err) => {
+                tracing::warn!(
+                    error = %err,
+                    run_id = %lease.run_id,
+                    "could not give the run back; it is recovered when its lease runs out"
+                );
+                return;
+            }
+        }
+    }
 }
 
 #[cfg(test)]

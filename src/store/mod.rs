@@ -257,6 +257,33 @@ impl Store {
 }
 
 /// Whether a database error is a unique-constraint violation.
+impl Error {
+    /// The database could not be reached, or dropped the connection (a
+    /// restart, a cut connection, no free connection in the pool): nothing
+    /// is wrong with what was asked, and it may be tried again later.
+    pub fn is_unreachable(&self) -> bool {
+        use sea_orm::sqlx::Error as Sqlx;
+        let runtime = match self {
+            Error::Database(DbErr::ConnectionAcquire(_)) => return true,
+            Error::Database(DbErr::Conn(e) | DbErr::Exec(e) | DbErr::Query(e)) => e,
+            _ => return false,
+        };
+        let sea_orm::RuntimeErr::SqlxError(err) = runtime else {
+            return false;
+        };
+        match err.as_ref() {
+            Sqlx::Io(_) | Sqlx::PoolTimedOut | Sqlx::PoolClosed | Sqlx::WorkerCrashed => true,
+            // PostgreSQL's connection exceptions (class 08) and its
+            // shutdowns (57P01 to 57P03: an administrator's command, a
+            // crash, not accepting connections yet).
+            Sqlx::Database(db) => db
+                .code()
+                .is_some_and(|code| code.starts_with("08") || code.starts_with("57P0")),
+            _ => false,
+        }
+    }
+}
+
 pub fn is_unique_violation(err: &DbErr) -> bool {
     matches!(
         err.sql_err(),

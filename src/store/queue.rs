@@ -212,6 +212,10 @@ pub enum Reclaim<'a> {
     /// Runs an earlier process with this instance id held, whose leases
     /// nobody renewed since `Reclaim::held_by` listed them.
     Unrenewed(&'a [Held]),
+    /// A run this process gives up under the lease it still holds: its
+    /// execution failed (see `abandon`); `counted` against the crash retry
+    /// budget or not.
+    Abandoned { counted: bool },
 }
 
 /// A running run's lease as a start-up listing saw it.
@@ -274,6 +278,8 @@ pub async fn reclaim(store: &Store, which: Reclaim<'_>, budget: u32) -> Result<u
         Reclaim::Unrenewed(held) => {
             query.filter(run::Column::Id.is_in(held.iter().map(|h| h.run_id)))
         }
+        // One run, by `abandon`: nothing to list.
+        Reclaim::Abandoned { .. } => return Ok(0),
     };
     let stale = query.all(store.db()).await?;
     let mut count = 0;
@@ -285,12 +291,37 @@ pub async fn reclaim(store: &Store, which: Reclaim<'_>, budget: u32) -> Result<u
     Ok(count)
 }
 
+/// Gives back a run whose execution here failed while this process still
+/// holds its lease: it is re-queued from what was committed now, not when
+/// the lease runs out. With a `budget` the failure counts against it, as a
+/// lost worker does; without one (the database went away, which says
+/// nothing about the run) it does not. False when the lease had moved on.
+pub async fn abandon(store: &Store, lease: &Lease, budget: Option<u32>) -> Result<bool> {
+    let Some(row) = run::Entity::find_by_id(lease.run_id)
+        .one(store.db())
+        .await?
+    else {
+        return Ok(false);
+    };
+    if row.lease_epoch != lease.epoch {
+        return Ok(false);
+    }
+    let counted = budget.is_some();
+    recover(
+        store,
+        row,
+        Reclaim::Abandoned { counted },
+        budget.unwrap_or(0),
+    )
+    .await
+}
+
 /// Whether a run's lease, read under the run's lock, may be taken: the
 /// listing is stale by then, and a lease renewed since must stay.
 fn still_stale(row: &run::Model, which: Reclaim<'_>, now: i64) -> bool {
     match which {
         Reclaim::Expired => row.lease_expires_at.is_some_and(|at| at < now),
-        Reclaim::All => true,
+        Reclaim::All | Reclaim::Abandoned { .. } => true,
         Reclaim::Unrenewed(held) => held.iter().any(|h| {
             h.run_id == row.id && h.epoch == row.lease_epoch && h.expires_at == row.lease_expires_at
         }),
@@ -319,7 +350,8 @@ async fn recover(store: &Store, seen: run::Model, which: Reclaim<'_>, budget: u3
     }
     let held_until = row.lease_expires_at.unwrap_or(now).min(now);
     let active_ms = row.active_ms + (held_until - row.claimed_at.unwrap_or(held_until)).max(0);
-    let events = if row.recoveries as u32 >= budget {
+    let counted = !matches!(which, Reclaim::Abandoned { counted: false });
+    let events = if counted && row.recoveries as u32 >= budget {
         tracing::warn!(run_id = %row.id, recoveries = row.recoveries, "recovery budget exhausted");
         let error = RunError {
             code: EndCause::RecoveryLimit.as_str().to_owned(),
@@ -339,7 +371,7 @@ async fn recover(store: &Store, seen: run::Model, which: Reclaim<'_>, budget: u3
             .map_err(|e| super::Error::Conflict(e.to_string()))?;
         let mut events = commit::abandon_open_parts(&tx, row.id).await?;
         let run_id = row.id;
-        let recoveries = row.recoveries + 1;
+        let recoveries = row.recoveries + i32::from(counted);
         let mut active: run::ActiveModel = row.into();
         active.status = sea_orm::ActiveValue::Set(to.as_str().to_owned());
         active.recoveries = sea_orm::ActiveValue::Set(recoveries);

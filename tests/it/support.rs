@@ -462,6 +462,11 @@ impl Server {
             .count()
     }
 
+    /// Whether the process is still running.
+    pub fn is_running(&mut self) -> bool {
+        self.child.try_wait().unwrap().is_none()
+    }
+
     /// Kills the process with SIGKILL and waits for it to be gone.
     pub async fn kill(&mut self) {
         self.child.kill().await.unwrap();

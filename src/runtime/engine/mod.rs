@@ -33,7 +33,7 @@ use crate::tools::registry::{Registry, Tool};
 use end::{end, ended, failed, over, over_ceiling, stopped_by};
 use inference::{Attempt, Context, Inference, Stream, compact};
 
-pub use start::execute;
+pub use start::{Executed, execute};
 
 /// Why a worker stops a run it holds before the model is done.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -22,13 +22,16 @@ use crate::store::tool_calls;
 use crate::store::{self, Store};
 use crate::tools::registry::Registry;
 
+/// Executes one claim of a run; whether it failed, so that the caller gives
+/// the run back (`queue::abandon`). A lease that moved on is no failure:
+/// the run is someone else's.
 pub async fn execute(
     store: Store,
     config: Arc<FileConfig>,
     tools: Arc<Registry>,
     claimed: queue::Claimed,
     control: Arc<Control>,
-) {
+) -> Executed {
     let lease = Lease::of(&claimed.run);
     let span = tracing::info_span!(
         "run",
@@ -40,16 +43,37 @@ pub async fn execute(
         .instrument(span.clone())
         .await
     {
-        Ok(()) => {}
+        Ok(()) => Executed::Done,
         Err(store::Error::Fenced) => {
             span.in_scope(|| tracing::info!("the lease moved on; stopped without writing"));
+            Executed::Done
+        }
+        Err(err) if err.is_unreachable() => {
+            span.in_scope(|| {
+                tracing::warn!(error = %err, "the database went away mid-run; giving the run back")
+            });
+            Executed::Failed {
+                run_at_fault: false,
+            }
         }
         Err(err) => {
-            // The lease runs out and the run is recovered from what was
-            // committed.
-            span.in_scope(|| tracing::error!(error = %err, "run execution failed"));
+            span.in_scope(
+                || tracing::error!(error = %err, "run execution failed; giving the run back"),
+            );
+            Executed::Failed { run_at_fault: true }
         }
     }
+}
+
+/// How an execution ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Executed {
+    /// It ended the run, handed it back, parked it, or lost its lease.
+    Done,
+    /// An error stopped it half-way: the run is to be recovered from what
+    /// was committed. Counted against the crash retry budget unless the
+    /// database merely went away (a restart, a cut connection).
+    Failed { run_at_fault: bool },
 }
 
 async fn drive(
