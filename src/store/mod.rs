@@ -19,8 +19,8 @@ use tokio::sync::Mutex;
 
 use sea_orm::sqlx::sqlite::{SqliteJournalMode, SqliteSynchronous};
 use sea_orm::{
-    AccessMode, ConnectOptions, Database, DatabaseBackend, DatabaseConnection, DatabaseTransaction,
-    DbErr, IsolationLevel, TransactionOptions, TransactionTrait,
+    AccessMode, ConnectOptions, ConnectionTrait, Database, DatabaseBackend, DatabaseConnection,
+    DatabaseTransaction, DbErr, IsolationLevel, Statement, TransactionOptions, TransactionTrait,
 };
 use tether_migrations::{Migrator, MigratorTrait};
 
@@ -89,9 +89,11 @@ pub struct Store {
     /// SQLite: writes waiting to be committed together (`commit/group.rs`).
     pending: Option<Arc<commit::Pending>>,
     url: String,
-    /// The pools run under PostgreSQL's `statement_timeout`.
-    statement_timeout: bool,
 }
+
+/// The PostgreSQL advisory lock migrations hold (a fixed key: "tether" in
+/// ASCII).
+const MIGRATION_LOCK: i64 = 0x7465_7468_6572;
 
 /// The connection pools' settings (`[database]` and `api.read_connections`).
 #[derive(Debug, Clone)]
@@ -183,25 +185,33 @@ impl Store {
             write_lane: sqlite.then(Arc::default),
             pending: sqlite.then(Arc::default),
             url: url.to_owned(),
-            statement_timeout: pools.statement_timeout.is_some(),
         })
     }
 
-    /// Brings the schema up to date. Under a statement timeout, through a
-    /// connection of its own without one: a migration may take longer than
-    /// any query should.
+    /// Brings the schema up to date. On PostgreSQL, through a connection of
+    /// its own that holds an advisory lock meanwhile, so that instances
+    /// started together migrate one after another (the later ones find
+    /// nothing to do), and without the pools' statement timeout: a
+    /// migration may take longer than any query should.
     pub async fn migrate(&self) -> Result<()> {
-        if self.statement_timeout {
-            let unlimited = Pools {
-                statement_timeout: None,
-                ..Pools::default()
-            };
-            let db = Database::connect(connect_options(&self.url, 1, 0, &unlimited)).await?;
-            Migrator::up(&db, None).await?;
-            db.close().await?;
-        } else {
+        if self.backend() != DatabaseBackend::Postgres {
             Migrator::up(&self.db, None).await?;
+            return Ok(());
         }
+        let unlimited = Pools {
+            statement_timeout: None,
+            ..Pools::default()
+        };
+        let db = Database::connect(connect_options(&self.url, 1, 1, &unlimited)).await?;
+        let lock = |sql: &str| {
+            Statement::from_sql_and_values(DatabaseBackend::Postgres, sql, [MIGRATION_LOCK.into()])
+        };
+        db.execute_raw(lock("SELECT pg_advisory_lock($1)")).await?;
+        let migrated = Migrator::up(&db, None).await;
+        let unlocked = db.execute_raw(lock("SELECT pg_advisory_unlock($1)")).await;
+        db.close().await?;
+        migrated?;
+        unlocked?;
         Ok(())
     }
 

@@ -9,6 +9,7 @@ mod connections;
 mod conversations;
 mod cors;
 mod crash;
+mod deploy;
 mod downstream;
 mod fakes;
 mod history_tail;

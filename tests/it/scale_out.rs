@@ -11,8 +11,11 @@ use std::collections::{HashMap, HashSet};
 use sea_orm::{ConnectionTrait, DatabaseBackend, Statement};
 use serde_json::{Value, json};
 
+use tether::bus::Bus;
+use tether::store::Store;
+
 use crate::downstream::Downstream;
-use crate::support::{Server, ServerOptions, WsClient, of_type, on_postgres};
+use crate::support::{Server, ServerOptions, TestDb, WsClient, of_type, on_postgres};
 use crate::tools::{config, tool_calls};
 
 const EVENTS: &str = "subscription($c: ID!, $a: String) { conversationEvents(conversationId: $c, after: $a) { cursor type runId } }";
@@ -360,4 +363,36 @@ async fn cut_database_connections_lose_nothing() {
         b.child.try_wait().unwrap().is_none(),
         "the second process carried on"
     );
+}
+
+/// Instances started at the same moment on a new database migrate one
+/// after another (an advisory lock): none fails, the schema is made once.
+#[tokio::test]
+async fn instances_started_together_migrate_one_after_another() {
+    if !on_postgres() {
+        return;
+    }
+    let db = TestDb::new().await;
+    let mut stores = Vec::new();
+    for _ in 0..4 {
+        stores.push(Store::connect(&db.url, Bus::new()).await.unwrap());
+    }
+    let migrated = futures_util::future::join_all(stores.iter().map(|s| s.migrate())).await;
+    for result in migrated {
+        result.expect("every instance's migration succeeds");
+    }
+    let applied = stores[0]
+        .db()
+        .query_one_raw(Statement::from_string(
+            DatabaseBackend::Postgres,
+            "SELECT count(*) AS n, count(DISTINCT version) AS d FROM seaql_migrations",
+        ))
+        .await
+        .unwrap()
+        .unwrap();
+    let (n, distinct): (i64, i64) = (
+        applied.try_get("", "n").unwrap(),
+        applied.try_get("", "d").unwrap(),
+    );
+    assert_eq!(n, distinct, "each migration applied once");
 }
