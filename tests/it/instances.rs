@@ -342,21 +342,13 @@ async fn run_times(server: &Server, token: &str, run: &str) -> serde_json::Value
 /// no notification carries it.
 #[tokio::test]
 async fn a_cancel_reaches_a_worker_in_another_process_within_about_a_second() {
-    const SLOW_HEARTBEAT: &str = r#"
-default_agent = "demo"
-
-[runtime]
-lease_secs = 60
-heartbeat_secs = 20
-poll_ms = 200
-
-[[agents]]
-name = "demo"
-provider = "scripted"
-stream_delay_ms = 5
-"#;
+    let slow_heartbeat = WORKER_CONFIG.replace(
+        "lease_secs = 3\nheartbeat_secs = 0.5",
+        "lease_secs = 60\nheartbeat_secs = 20",
+    );
+    assert_ne!(slow_heartbeat, WORKER_CONFIG);
     let api = Server::start_with(ServerOptions {
-        config: SLOW_HEARTBEAT.to_owned(),
+        config: slow_heartbeat,
         role: "api",
         ..Default::default()
     })

@@ -18,6 +18,7 @@ mod identity_providers;
 mod input_limits;
 mod instances;
 mod interactions;
+mod migrations;
 mod model_history;
 mod oauth_client;
 mod oauth_server;
