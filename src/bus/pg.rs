@@ -26,24 +26,103 @@ pub const EVENTS: &str = "tether_events";
 pub const QUEUED: &str = "tether_queued";
 /// `origin:run_id`: a run's cancellation was requested.
 pub const CANCEL: &str = "tether_cancel";
-/// A live `part.delta` as JSON (`RelayedDelta`), sent outside any
-/// transaction.
+/// Live `part.delta` events as JSON (`RelayedDeltas`: every delta waiting
+/// to be relayed, in one notification), sent outside any transaction.
 pub const DELTAS: &str = "tether_deltas";
 
-/// NOTIFY payloads must stay under 8000 bytes; larger deltas are not
-/// relayed (the text arrives with the next checkpoint).
+/// NOTIFY payloads must stay under 8000 bytes: a batch is cut there, and a
+/// delta larger than that alone is not relayed (the text arrives with the
+/// next checkpoint).
 const MAX_PAYLOAD: usize = 7900;
 /// Deltas waiting to be relayed before new ones are dropped.
 const RELAY_BUFFER: usize = 1024;
 
+/// The deltas of one notification, from one process.
+#[derive(Deserialize)]
+struct RelayedDeltas {
+    origin: Uuid,
+    deltas: Vec<RelayedDelta>,
+}
+
 #[derive(Serialize, Deserialize)]
 struct RelayedDelta {
-    origin: Uuid,
     conversation_id: Uuid,
     cursor: i64,
     run_id: Option<Uuid>,
     at: i64,
     body: EventBody,
+}
+
+impl RelayedDelta {
+    fn of(event: Event) -> RelayedDelta {
+        RelayedDelta {
+            conversation_id: event.conversation_id,
+            cursor: event.cursor.0,
+            run_id: event.run_id,
+            at: event.at,
+            body: event.body,
+        }
+    }
+
+    fn into_event(self) -> Event {
+        Event {
+            conversation_id: self.conversation_id,
+            cursor: Cursor(self.cursor),
+            kind: EventKind::PartDelta,
+            run_id: self.run_id,
+            at: self.at,
+            body: self.body,
+        }
+    }
+}
+
+/// Payloads of `DELTAS` notifications: the deltas in order, as many to a
+/// payload as fit under `MAX_PAYLOAD`.
+struct Batches {
+    head: String,
+    payloads: Vec<String>,
+    current: String,
+}
+
+impl Batches {
+    fn new(origin: Uuid) -> Batches {
+        let head = format!("{{\"origin\":\"{origin}\",\"deltas\":[");
+        Batches {
+            current: head.clone(),
+            head,
+            payloads: Vec::new(),
+        }
+    }
+
+    fn push(&mut self, delta: RelayedDelta) {
+        let Ok(json) = serde_json::to_string(&delta) else {
+            return;
+        };
+        // The head, this delta and the closing "]}" must fit on their own.
+        if self.head.len() + json.len() + 2 > MAX_PAYLOAD {
+            return;
+        }
+        if self.current.len() + json.len() + 3 > MAX_PAYLOAD {
+            self.finish();
+        }
+        if self.current.len() > self.head.len() {
+            self.current.push(',');
+        }
+        self.current.push_str(&json);
+    }
+
+    fn finish(&mut self) {
+        if self.current.len() > self.head.len() {
+            let mut payload = std::mem::replace(&mut self.current, self.head.clone());
+            payload.push_str("]}");
+            self.payloads.push(payload);
+        }
+    }
+
+    fn into_payloads(mut self) -> Vec<String> {
+        self.finish();
+        self.payloads
+    }
 }
 
 /// Relays other processes' notifications to this process's bus, and this
@@ -74,28 +153,23 @@ async fn send_deltas(url: &str, origin: Uuid, mut deltas: mpsc::Receiver<Event>)
             return;
         }
     };
-    while let Some(event) = deltas.recv().await {
-        let relayed = RelayedDelta {
-            origin,
-            conversation_id: event.conversation_id,
-            cursor: event.cursor.0,
-            run_id: event.run_id,
-            at: event.at,
-            body: event.body,
-        };
-        let Ok(payload) = serde_json::to_string(&relayed) else {
-            continue;
-        };
-        if payload.len() > MAX_PAYLOAD {
-            continue;
+    // One notification for every delta waiting, not one each: a NOTIFY
+    // serializes at commit behind every other one in the database.
+    while let Some(first) = deltas.recv().await {
+        let mut batches = Batches::new(origin);
+        batches.push(RelayedDelta::of(first));
+        while let Ok(next) = deltas.try_recv() {
+            batches.push(RelayedDelta::of(next));
         }
-        if let Err(err) = sqlx::query("SELECT pg_notify($1, $2)")
-            .bind(DELTAS)
-            .bind(payload)
-            .execute(&pool)
-            .await
-        {
-            tracing::debug!(error = %err, "relaying a delta failed");
+        for payload in batches.into_payloads() {
+            if let Err(err) = sqlx::query("SELECT pg_notify($1, $2)")
+                .bind(DELTAS)
+                .bind(payload)
+                .execute(&pool)
+                .await
+            {
+                tracing::debug!(error = %err, "relaying deltas failed");
+            }
         }
     }
 }
@@ -152,17 +226,15 @@ async fn connect(url: &str) -> Result<PgListener, sqlx::Error> {
 
 fn relay(bus: &Bus, channel: &str, payload: &str) {
     if channel == DELTAS {
-        if let Ok(delta) = serde_json::from_str::<RelayedDelta>(payload)
-            && delta.origin != bus.origin()
+        if let Ok(relayed) = serde_json::from_str::<RelayedDeltas>(payload)
+            && relayed.origin != bus.origin()
         {
-            bus.deliver(&[Event {
-                conversation_id: delta.conversation_id,
-                cursor: Cursor(delta.cursor),
-                kind: EventKind::PartDelta,
-                run_id: delta.run_id,
-                at: delta.at,
-                body: delta.body,
-            }]);
+            let events: Vec<Event> = relayed
+                .deltas
+                .into_iter()
+                .map(RelayedDelta::into_event)
+                .collect();
+            bus.deliver(&events);
         }
         return;
     }
@@ -176,5 +248,52 @@ fn relay(bus: &Bus, channel: &str, payload: &str) {
         (QUEUED, _) => bus.wake_workers(),
         (CANCEL, Some(run_id)) => bus.request_cancel(run_id),
         _ => tracing::debug!(channel, payload, "ignored notification"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn delta(n: usize, text: &str) -> RelayedDelta {
+        let body = EventBody::Delta {
+            message_id: Uuid::nil(),
+            part_id: Uuid::nil(),
+            offset: 0,
+            text: text.to_owned(),
+        };
+        RelayedDelta {
+            conversation_id: Uuid::nil(),
+            cursor: n as i64,
+            run_id: None,
+            at: 0,
+            body,
+        }
+    }
+
+    #[test]
+    fn deltas_go_in_as_few_payloads_as_fit_in_order_and_none_too_large() {
+        let origin = Uuid::now_v7();
+        let mut batches = Batches::new(origin);
+        for n in 0..200 {
+            batches.push(delta(n, &"x".repeat(100)));
+        }
+        // Alone too large for any payload: left out.
+        batches.push(delta(999, &"y".repeat(MAX_PAYLOAD)));
+        let payloads = batches.into_payloads();
+        assert!(
+            payloads.len() > 1 && payloads.len() < 10,
+            "{}",
+            payloads.len()
+        );
+        let mut cursors = Vec::new();
+        for payload in &payloads {
+            assert!(payload.len() <= MAX_PAYLOAD, "{}", payload.len());
+            let relayed: RelayedDeltas = serde_json::from_str(payload).unwrap();
+            assert_eq!(relayed.origin, origin);
+            cursors.extend(relayed.deltas.iter().map(|d| d.cursor));
+        }
+        assert_eq!(cursors, (0..200).collect::<Vec<i64>>());
+        assert!(Batches::new(origin).into_payloads().is_empty());
     }
 }
