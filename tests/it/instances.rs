@@ -13,12 +13,7 @@ const EVENTS: &str = "subscription($c: ID!, $a: String) { conversationEvents(con
 
 #[tokio::test]
 async fn the_api_streams_what_a_separate_worker_commits() {
-    let api = Server::start_with(ServerOptions {
-        config: WORKER_CONFIG.to_owned(),
-        role: "api",
-        ..Default::default()
-    })
-    .await;
+    let api = Server::api_only(WORKER_CONFIG).await;
     let _worker = api.companion("worker").await;
     let token = api.token("acme", "ada");
     let conversation = api.create_conversation(&token).await;
@@ -278,12 +273,7 @@ stream_delay_ms = 0
 
 #[tokio::test]
 async fn a_conversation_with_a_long_queue_does_not_hold_up_the_others() {
-    let server = Server::start_with(ServerOptions {
-        config: ONE_WORKER_CONFIG.to_owned(),
-        role: "api",
-        ..Default::default()
-    })
-    .await;
+    let server = Server::api_only(ONE_WORKER_CONFIG).await;
     let token = server.token("acme", "ada");
     let long = server.create_conversation(&token).await;
     let mut long_runs = Vec::new();
@@ -347,12 +337,7 @@ async fn a_cancel_reaches_a_worker_in_another_process_within_about_a_second() {
         "lease_secs = 60\nheartbeat_secs = 20",
     );
     assert_ne!(slow_heartbeat, WORKER_CONFIG);
-    let api = Server::start_with(ServerOptions {
-        config: slow_heartbeat,
-        role: "api",
-        ..Default::default()
-    })
-    .await;
+    let api = Server::api_only(&slow_heartbeat).await;
     let _worker = api.companion("worker").await;
     let token = api.token("acme", "ada");
     let conversation = api.create_conversation(&token).await;

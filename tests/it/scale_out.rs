@@ -179,12 +179,7 @@ async fn a_killed_worker_instance_loses_no_run_and_repeats_no_effect() {
     }
     let downstream = Downstream::start().await;
     let config = config(&downstream, "concurrency = 4", &[("tools", "")]);
-    let api = Server::start_with(ServerOptions {
-        config: config.clone(),
-        role: "api",
-        ..Default::default()
-    })
-    .await;
+    let api = Server::api_only(&config).await;
     let mut first = api.companion_with("worker", &config, &[]).await;
     let token = api.token("acme", "ada");
     // The first worker holds this run's call at the service when it dies.

@@ -390,6 +390,17 @@ impl Server {
         .await
     }
 
+    /// The API alone (`--role api`) on the given configuration: runs stay
+    /// queued until a worker process joins (`companion`).
+    pub async fn api_only(config: &str) -> Server {
+        Server::start_with(ServerOptions {
+            config: config.to_owned(),
+            role: "api",
+            ..Default::default()
+        })
+        .await
+    }
+
     /// The API with workers, on the given configuration.
     pub async fn start_workers(config: &str) -> Server {
         Server::start_with(ServerOptions {
