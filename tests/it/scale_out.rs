@@ -15,7 +15,7 @@ use tether::bus::Bus;
 use tether::store::Store;
 
 use crate::downstream::Downstream;
-use crate::support::{Server, ServerOptions, TestDb, WsClient, of_type, on_postgres};
+use crate::support::{Server, TestDb, WsClient, of_type, on_postgres};
 use crate::tools::{config, tool_calls};
 
 const EVENTS: &str = "subscription($c: ID!, $a: String) { conversationEvents(conversationId: $c, after: $a) { cursor type runId } }";
