@@ -1544,6 +1544,29 @@ mod tests {
         assert!(err.contains("api.max_aliases"), "{err}");
         let err = message(load_with("[api]\nread_connections = 0\n", &[]));
         assert!(err.contains("api.read_connections"), "{err}");
+        for (toml, key) in [
+            ("[database]\nconnections = 0\n", "database.connections"),
+            (
+                "[database]\nacquire_timeout_secs = 0\n",
+                "database.acquire_timeout_secs",
+            ),
+            (
+                "[database]\nstatement_timeout_secs = -1\n",
+                "database.statement_timeout_secs",
+            ),
+        ] {
+            let err = message(load_with(toml, &[]));
+            assert!(err.contains(key), "{err}");
+        }
+        let database = load_with(
+            "[database]\nconnections = 4\nstatement_timeout_secs = 2.5\n",
+            &[],
+        )
+        .unwrap()
+        .file
+        .database;
+        assert_eq!(database.connections, Some(4));
+        assert_eq!(database.statement_timeout_secs, 2.5);
         let config = load_with(
             "[api]\nrequest_timeout_secs = 0.25\n[[agents]]\nname = \"a\"\nprovider = \"scripted\"\n",
             &[],

@@ -8,14 +8,13 @@ use std::time::Duration;
 use futures_util::Stream;
 use tokio::sync::broadcast;
 use tokio::sync::broadcast::error::RecvError;
-use tokio::time::Instant;
 use uuid::Uuid;
 
 use crate::bus::Signal;
 use crate::domain::cursor::Cursor;
 use crate::domain::event::Event;
 use crate::domain::retry::RetryPolicy;
-use crate::store::{Error, Result, Store, reads};
+use crate::store::{Error, Result, Store, reads, retry_within};
 
 /// Events read from the log per query while catching up.
 const PAGE: u64 = 500;
@@ -107,37 +106,26 @@ struct Reader {
 const READ_PATIENCE: Duration = Duration::from_secs(60);
 
 /// The waits between those reads: from 100 ms, doubling up to 2 s.
-const READ_AGAIN: RetryPolicy = RetryPolicy {
-    max_attempts: u32::MAX,
-    initial_delay: Duration::from_millis(100),
-    max_delay: Duration::from_secs(2),
-};
+const READ_AGAIN: RetryPolicy =
+    RetryPolicy::unbounded(Duration::from_millis(100), Duration::from_secs(2));
 
 /// The page of the log after `after`. A read the database failed is tried
 /// again, for up to `READ_PATIENCE`: a subscription outlives a database
 /// restart without losing its place.
 async fn read_page(reader: Reader, after: Cursor) -> Result<Vec<Event>> {
-    let started = Instant::now();
-    let mut failures = 0;
-    loop {
-        let read = reads::events_after(
+    let read = || {
+        reads::events_after(
             reader.store.api_reads(),
             &reader.tenant,
             reader.conversation_id,
             after,
             PAGE,
         )
-        .await;
-        match read {
-            Err(Error::Database(err)) if started.elapsed() < READ_PATIENCE => {
-                failures += 1;
-                tracing::debug!(error = %err, "reading the log failed; reading it again");
-                let wait = READ_AGAIN.delay(failures, None, fastrand::f64());
-                tokio::time::sleep(wait).await;
-            }
-            read => return read,
-        }
-    }
+    };
+    retry_within(&READ_AGAIN, READ_PATIENCE, read, |err| {
+        matches!(err, Error::Database(_))
+    })
+    .await
 }
 
 impl Drop for Feed {

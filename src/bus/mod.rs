@@ -50,7 +50,6 @@ pub struct Bus {
 /// The PostgreSQL listener's state (`pg::listen`).
 #[derive(Default)]
 struct ListenerState {
-    up: AtomicBool,
     /// Lost since it was last up (or never up yet): logged once.
     lost: AtomicBool,
     reconnects: AtomicU64,
@@ -193,7 +192,6 @@ impl Bus {
 
     /// The PostgreSQL listener is listening (after a loss: it is back).
     fn listener_up(&self) {
-        self.listener.up.store(true, Ordering::Relaxed);
         if self.listener.lost.swap(false, Ordering::Relaxed) {
             self.listener.reconnects.fetch_add(1, Ordering::Relaxed);
             tracing::info!("listening for notifications again");
@@ -202,7 +200,6 @@ impl Bus {
 
     /// The PostgreSQL listener is not listening; said once until it is back.
     fn listener_lost(&self, cause: &str) {
-        self.listener.up.store(false, Ordering::Relaxed);
         if !self.listener.lost.swap(true, Ordering::Relaxed) {
             tracing::warn!(
                 cause,
@@ -210,12 +207,6 @@ impl Bus {
                  read the log on their timers (about a second)"
             );
         }
-    }
-
-    /// Whether this process hears other processes' notifications now
-    /// (PostgreSQL; always false elsewhere).
-    pub fn listener_is_up(&self) -> bool {
-        self.listener.up.load(Ordering::Relaxed)
     }
 
     /// How many times the PostgreSQL listener came back after a loss.

@@ -176,11 +176,8 @@ async fn send_deltas(url: &str, origin: Uuid, mut deltas: mpsc::Receiver<Event>)
 
 /// Waits between attempts to connect the listener again: from 100 ms,
 /// doubling up to 5 s, jittered.
-const RECONNECT: RetryPolicy = RetryPolicy {
-    max_attempts: u32::MAX,
-    initial_delay: Duration::from_millis(100),
-    max_delay: Duration::from_secs(5),
-};
+const RECONNECT: RetryPolicy =
+    RetryPolicy::unbounded(Duration::from_millis(100), Duration::from_secs(5));
 
 /// Listens until stopped, reconnecting with backoff whenever the connection
 /// drops. Whatever was notified while nobody listened is lost, so each time

@@ -19,6 +19,16 @@ pub fn retryable_status(status: u16) -> bool {
 }
 
 impl RetryPolicy {
+    /// Attempts without end: waits from `initial_delay`, doubling up to
+    /// `max_delay` (for what is tried again while a service is away).
+    pub const fn unbounded(initial_delay: Duration, max_delay: Duration) -> RetryPolicy {
+        RetryPolicy {
+            max_attempts: u32::MAX,
+            initial_delay,
+            max_delay,
+        }
+    }
+
     /// Whether attempt number `failed` (1-based) may be followed by another.
     pub fn allows_another(&self, failed: u32) -> bool {
         failed < self.max_attempts

@@ -19,10 +19,10 @@ use uuid::Uuid;
 
 use crate::config::FileConfig;
 use crate::domain::retry::RetryPolicy;
-use crate::store::Store;
 use crate::store::commit::Lease;
 use crate::store::interactions;
 use crate::store::queue::{self, Heartbeat, Reclaim};
+use crate::store::{Store, retry_within};
 use crate::tools::registry::Registry as ToolRegistry;
 use engine::{Control, Executed, Stop};
 
@@ -31,11 +31,8 @@ const CANCEL_POLL: Duration = Duration::from_secs(1);
 
 /// The waits between attempts to give a failed run back: from 100 ms,
 /// doubling up to 2 s.
-const GIVE_BACK_AGAIN: RetryPolicy = RetryPolicy {
-    max_attempts: u32::MAX,
-    initial_delay: Duration::from_millis(100),
-    max_delay: Duration::from_secs(2),
-};
+const GIVE_BACK_AGAIN: RetryPolicy =
+    RetryPolicy::unbounded(Duration::from_millis(100), Duration::from_secs(2));
 
 pub struct RuntimeOptions {
     /// Names this process's leases; a restart with the same id reclaims
@@ -323,25 +320,13 @@ async fn hold(
 /// have lasted: past that, the sweep of whichever process is up recovers
 /// it anyway.
 async fn give_back(store: &Store, lease: &Lease, budget: Option<u32>, within: Duration) {
-    let started = tokio::time::Instant::now();
-    let mut failures = 0;
-    loop {
-        match queue::abandon(store, lease, budget).await {
-            Ok(_) => return,
-            Err(err) if started.elapsed() < within => {
-                failures += 1;
-                tracing::debug!(error = %err, run_id = %lease.run_id, "giving a run back failed");
-                tokio::time::sleep(GIVE_BACK_AGAIN.delay(failures, None, fastrand::f64())).await;
-            }
-            Err(err) => {
-                tracing::warn!(
-                    error = %err,
-                    run_id = %lease.run_id,
-                    "could not give the run back; it is recovered when its lease runs out"
-                );
-                return;
-            }
-        }
+    let give = || queue::abandon(store, lease, budget);
+    if let Err(err) = retry_within(&GIVE_BACK_AGAIN, within, give, |_| true).await {
+        tracing::warn!(
+            error = %err,
+            run_id = %lease.run_id,
+            "could not give the run back; it is recovered when its lease runs out"
+        );
     }
 }
 

@@ -25,6 +25,7 @@ use sea_orm::{
 use tether_migrations::{Migrator, MigratorTrait};
 
 use crate::bus::Bus;
+use crate::domain::retry::RetryPolicy;
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -267,6 +268,34 @@ impl Store {
 }
 
 /// Whether a database error is a unique-constraint violation.
+/// Calls `op` until it succeeds, fails with an error `again` refuses, or
+/// `within` has passed, waiting between calls as `policy` says: for what
+/// must outlast a database restart (a subscription's read of the log, a
+/// worker giving a run back).
+pub async fn retry_within<T, F, Fut>(
+    policy: &RetryPolicy,
+    within: Duration,
+    mut op: F,
+    again: impl Fn(&Error) -> bool,
+) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T>>,
+{
+    let started = tokio::time::Instant::now();
+    let mut failures = 0;
+    loop {
+        match op().await {
+            Err(err) if again(&err) && started.elapsed() < within => {
+                failures += 1;
+                tracing::debug!(error = %err, "the database failed; trying again");
+                tokio::time::sleep(policy.delay(failures, None, fastrand::f64())).await;
+            }
+            result => return result,
+        }
+    }
+}
+
 impl Error {
     /// The database could not be reached, or dropped the connection (a
     /// restart, a cut connection, no free connection in the pool): nothing

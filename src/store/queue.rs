@@ -212,10 +212,6 @@ pub enum Reclaim<'a> {
     /// Runs an earlier process with this instance id held, whose leases
     /// nobody renewed since `Reclaim::held_by` listed them.
     Unrenewed(&'a [Held]),
-    /// A run this process gives up under the lease it still holds: its
-    /// execution failed (see `abandon`); `counted` against the crash retry
-    /// budget or not.
-    Abandoned { counted: bool },
 }
 
 /// A running run's lease as a start-up listing saw it.
@@ -278,13 +274,11 @@ pub async fn reclaim(store: &Store, which: Reclaim<'_>, budget: u32) -> Result<u
         Reclaim::Unrenewed(held) => {
             query.filter(run::Column::Id.is_in(held.iter().map(|h| h.run_id)))
         }
-        // One run, by `abandon`: nothing to list.
-        Reclaim::Abandoned { .. } => return Ok(0),
     };
     let stale = query.all(store.db()).await?;
     let mut count = 0;
     for row in stale {
-        if recover(store, row, which, budget).await? {
+        if recover(store, row, Some(which), Some(budget)).await? {
             count += 1;
         }
     }
@@ -306,14 +300,7 @@ pub async fn abandon(store: &Store, lease: &Lease, budget: Option<u32>) -> Resul
     if row.lease_epoch != lease.epoch {
         return Ok(false);
     }
-    let counted = budget.is_some();
-    recover(
-        store,
-        row,
-        Reclaim::Abandoned { counted },
-        budget.unwrap_or(0),
-    )
-    .await
+    recover(store, row, None, budget).await
 }
 
 /// Whether a run's lease, read under the run's lock, may be taken: the
@@ -321,7 +308,7 @@ pub async fn abandon(store: &Store, lease: &Lease, budget: Option<u32>) -> Resul
 fn still_stale(row: &run::Model, which: Reclaim<'_>, now: i64) -> bool {
     match which {
         Reclaim::Expired => row.lease_expires_at.is_some_and(|at| at < now),
-        Reclaim::All | Reclaim::Abandoned { .. } => true,
+        Reclaim::All => true,
         Reclaim::Unrenewed(held) => held.iter().any(|h| {
             h.run_id == row.id && h.epoch == row.lease_epoch && h.expires_at == row.lease_expires_at
         }),
@@ -329,8 +316,16 @@ fn still_stale(row: &run::Model, which: Reclaim<'_>, now: i64) -> bool {
 }
 
 /// Recovers one run if it still holds the lease we saw and that lease is
-/// still stale; false if it moved or was renewed.
-async fn recover(store: &Store, seen: run::Model, which: Reclaim<'_>, budget: u32) -> Result<bool> {
+/// still stale (`which` listing found it; `None`: this process gives up a
+/// lease it holds); false if it moved or was renewed. The recovery counts
+/// against `budget`, and a run over it ends `FAILED`; without one it does
+/// not count.
+async fn recover(
+    store: &Store,
+    seen: run::Model,
+    which: Option<Reclaim<'_>>,
+    budget: Option<u32>,
+) -> Result<bool> {
     let mut tx = store.begin_write().await?;
     let conversation = tx
         .lock_conversation(seen.conversation_id, &seen.tenant)
@@ -345,13 +340,13 @@ async fn recover(store: &Store, seen: run::Model, which: Reclaim<'_>, budget: u3
         return Ok(false);
     };
     let now = now_millis();
-    if !still_stale(&row, which, now) {
+    if which.is_some_and(|which| !still_stale(&row, which, now)) {
         return Ok(false);
     }
     let held_until = row.lease_expires_at.unwrap_or(now).min(now);
     let active_ms = row.active_ms + (held_until - row.claimed_at.unwrap_or(held_until)).max(0);
-    let counted = !matches!(which, Reclaim::Abandoned { counted: false });
-    let events = if counted && row.recoveries as u32 >= budget {
+    let counted = budget.is_some();
+    let events = if budget.is_some_and(|budget| row.recoveries as u32 >= budget) {
         tracing::warn!(run_id = %row.id, recoveries = row.recoveries, "recovery budget exhausted");
         let error = RunError {
             code: EndCause::RecoveryLimit.as_str().to_owned(),
@@ -440,7 +435,11 @@ mod tests {
         // clock); the worker renewed it before the sweep took the lock.
         let mut listed = claimed.clone();
         listed.lease_expires_at = Some(now_millis() - 1);
-        assert!(!recover(&store, listed, Reclaim::Expired, 3).await.unwrap());
+        assert!(
+            !recover(&store, listed, Some(Reclaim::Expired), Some(3))
+                .await
+                .unwrap()
+        );
         let row = run::Entity::find_by_id(queued.id)
             .one(store.db())
             .await

@@ -12,7 +12,7 @@ use sea_orm::{ConnectionTrait, DatabaseBackend, Statement};
 use serde_json::{Value, json};
 
 use tether::bus::Bus;
-use tether::store::Store;
+use tether::store::{Pools, Store};
 
 use crate::downstream::Downstream;
 use crate::support::{Server, TestDb, WsClient, of_type, on_postgres};
@@ -390,4 +390,27 @@ async fn instances_started_together_migrate_one_after_another() {
         applied.try_get("", "d").unwrap(),
     );
     assert_eq!(n, distinct, "each migration applied once");
+}
+
+/// `database.statement_timeout_secs` bounds the pools' statements, and a
+/// migration, which may take longer, runs without it.
+#[tokio::test]
+async fn the_statement_timeout_bounds_queries_but_not_migrations() {
+    if !on_postgres() {
+        return;
+    }
+    let db = TestDb::new().await;
+    let pools = Pools {
+        statement_timeout: Some(std::time::Duration::from_millis(200)),
+        ..Pools::default()
+    };
+    let store = Store::connect_with(&db.url, Bus::new(), &pools)
+        .await
+        .unwrap();
+    store.migrate().await.unwrap();
+    let slow = Statement::from_string(DatabaseBackend::Postgres, "SELECT pg_sleep(1)");
+    let err = store.db().execute_raw(slow).await.unwrap_err();
+    assert!(err.to_string().contains("statement timeout"), "{err}");
+    let quick = Statement::from_string(DatabaseBackend::Postgres, "SELECT 1");
+    store.db().execute_raw(quick).await.unwrap();
 }
