@@ -79,6 +79,10 @@ pub struct FileConfig {
     #[serde(default)]
     pub auth: AuthConfig,
     #[serde(default)]
+    pub metrics: MetricsConfig,
+    #[serde(default)]
+    pub telemetry: TelemetryConfig,
+    #[serde(default)]
     pub agents: Vec<AgentConfig>,
     #[serde(default)]
     pub tools: Vec<ToolConfig>,
@@ -278,6 +282,133 @@ impl Default for ApiConfig {
     }
 }
 
+/// `[metrics]`: Prometheus's `/metrics`. By default it is served on the
+/// main listener to loopback callers only.
+#[derive(Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MetricsConfig {
+    /// Serve `/metrics` at all.
+    pub enabled: bool,
+    /// An address of its own for `/metrics`; the main listener then does
+    /// not serve it.
+    pub listen: Option<SocketAddr>,
+    /// The variable holding a bearer token `/metrics` requires; with it,
+    /// callers from any address that send it are let in.
+    pub bearer_token_env: Option<String>,
+    /// Resolved at start-up from `bearer_token_env`.
+    #[serde(skip)]
+    pub bearer_token: Option<String>,
+}
+
+impl Default for MetricsConfig {
+    fn default() -> Self {
+        MetricsConfig {
+            enabled: true,
+            listen: None,
+            bearer_token_env: None,
+            bearer_token: None,
+        }
+    }
+}
+
+impl std::fmt::Debug for MetricsConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MetricsConfig")
+            .field("enabled", &self.enabled)
+            .field("listen", &self.listen)
+            .field("bearer_token_env", &self.bearer_token_env)
+            .field(
+                "bearer_token",
+                &self.bearer_token.as_ref().map(|_| "<redacted>"),
+            )
+            .finish()
+    }
+}
+
+impl MetricsConfig {
+    fn validate(&mut self, env: &dyn Fn(&str) -> Option<String>) -> Result<(), ConfigError> {
+        self.bearer_token = match &self.bearer_token_env {
+            Some(var) => {
+                let key = "metrics.bearer_token_env";
+                let token = required_env(key, Some(var), env)?.unwrap_or_default();
+                strong_secret(key, &token)?;
+                Some(token)
+            }
+            None => None,
+        };
+        Ok(())
+    }
+}
+
+/// `[telemetry]`: how logs are written and where traces go.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TelemetryConfig {
+    /// `text` or `json` (one object a line); `TETHER_LOG_FORMAT` overrides.
+    pub log_format: LogFormat,
+    /// An OTLP/HTTP collector (`/v1/traces` is appended); unset, the
+    /// standard `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT` or
+    /// `OTEL_EXPORTER_OTLP_ENDPOINT`; none of them, no traces.
+    pub otlp_endpoint: Option<String>,
+    /// The traces' `service.name`; `OTEL_SERVICE_NAME` overrides.
+    pub service_name: String,
+}
+
+impl Default for TelemetryConfig {
+    fn default() -> Self {
+        TelemetryConfig {
+            log_format: LogFormat::Text,
+            otlp_endpoint: None,
+            service_name: "tether".to_owned(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+impl TelemetryConfig {
+    fn validate(&mut self, env: &dyn Fn(&str) -> Option<String>) -> Result<(), ConfigError> {
+        let set = |name: &str| env(name).filter(|value| !value.is_empty());
+        if let Some(format) = set("TETHER_LOG_FORMAT") {
+            self.log_format = match format.as_str() {
+                "text" => LogFormat::Text,
+                "json" => LogFormat::Json,
+                _ => {
+                    return Err(invalid(
+                        "TETHER_LOG_FORMAT",
+                        format!("{format:?} is not one of text, json"),
+                    ));
+                }
+            };
+        }
+        if self.otlp_endpoint.is_none() {
+            self.otlp_endpoint = set("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+                .or_else(|| set("OTEL_EXPORTER_OTLP_ENDPOINT"));
+        }
+        if let Some(url) = &self.otlp_endpoint
+            && !url.starts_with("http://")
+            && !url.starts_with("https://")
+        {
+            return Err(invalid(
+                "telemetry.otlp_endpoint",
+                "must be an http(s) URL (OTLP over HTTP)",
+            ));
+        }
+        if let Some(name) = set("OTEL_SERVICE_NAME") {
+            self.service_name = name;
+        }
+        if self.service_name.is_empty() {
+            return Err(invalid("telemetry.service_name", "must not be empty"));
+        }
+        Ok(())
+    }
+}
+
 /// How bearer tokens are verified: HS256 with `TETHER_JWT_SECRET` (and
 /// earlier secrets, for rotation), and asymmetric tokens against an identity
 /// provider's JWKS.
@@ -292,6 +423,10 @@ pub struct AuthConfig {
     pub audience: Option<String>,
     pub tenant_claim: String,
     pub principal_claim: String,
+    /// A claim that makes a token an operator's when it is `true`: tenant
+    /// independent, for the operators' queries and mutations. Unset: no
+    /// token is an operator's.
+    pub operator_claim: Option<String>,
     /// Algorithms accepted from the JWKS; empty: all of [`JWKS_ALGORITHMS`].
     pub algorithms: Vec<String>,
     /// Variables holding secrets that still verify HS256 tokens but no
@@ -316,6 +451,7 @@ impl Default for AuthConfig {
             audience: None,
             tenant_claim: "tenant".to_owned(),
             principal_claim: "sub".to_owned(),
+            operator_claim: None,
             algorithms: Vec::new(),
             previous_secrets_env: Vec::new(),
             previous_secrets: Vec::new(),
@@ -334,6 +470,7 @@ impl std::fmt::Debug for AuthConfig {
             .field("audience", &self.audience)
             .field("tenant_claim", &self.tenant_claim)
             .field("principal_claim", &self.principal_claim)
+            .field("operator_claim", &self.operator_claim)
             .field("algorithms", &self.algorithms)
             .field("previous_secrets_env", &self.previous_secrets_env)
             .field("previous_secrets", &"<redacted>")
@@ -371,6 +508,14 @@ impl AuthConfig {
             if claim.is_empty() {
                 return Err(invalid(key, "must not be empty"));
             }
+        }
+        if let Some(claim) = &self.operator_claim
+            && (claim.is_empty() || *claim == self.tenant_claim || *claim == self.principal_claim)
+        {
+            return Err(invalid(
+                "auth.operator_claim",
+                "must name a claim of its own, not empty nor the tenant's or the principal's",
+            ));
         }
         for (i, alg) in self.algorithms.iter().enumerate() {
             if !JWKS_ALGORITHMS.contains(&alg.as_str()) {
@@ -414,6 +559,17 @@ pub enum ProviderKind {
     Anthropic,
     Openai,
     Scripted,
+}
+
+impl ProviderKind {
+    /// As written in the configuration.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ProviderKind::Anthropic => "anthropic",
+            ProviderKind::Openai => "openai",
+            ProviderKind::Scripted => "scripted",
+        }
+    }
 }
 
 #[derive(Clone, Deserialize)]
@@ -729,10 +885,22 @@ impl FileConfig {
             api: ApiConfig::default(),
             database: DatabaseConfig::default(),
             auth: AuthConfig::default(),
+            metrics: MetricsConfig::default(),
+            telemetry: TelemetryConfig::default(),
             agents: vec![demo_agent()],
             tools: Vec::new(),
             connections: Vec::new(),
         }
+    }
+
+    /// Where a tool's calls go (its method and URL), as configured now;
+    /// `None` for a tool without an HTTP target or no longer configured.
+    pub fn tool_target(&self, tool: &str) -> Option<String> {
+        self.tools
+            .iter()
+            .find(|t| t.name == tool)
+            .and_then(|t| t.http.as_ref())
+            .map(|http| format!("{} {}", http.method, http.url))
     }
 
     pub fn parse(path: &Path, text: &str) -> Result<FileConfig, ConfigError> {
@@ -1113,6 +1281,8 @@ impl FileConfig {
             }
         }
         self.auth.validate(env)?;
+        self.metrics.validate(env)?;
+        self.telemetry.validate(env)?;
         Ok(())
     }
 }

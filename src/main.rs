@@ -4,7 +4,6 @@ use std::time::Duration;
 use clap::{Parser, Subcommand};
 use tether::config::Config;
 use tether::server::{self, Role};
-use tracing_subscriber::EnvFilter;
 
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -60,18 +59,47 @@ enum Command {
         /// How long the token is valid, for example 30m, 1h, 7d.
         #[arg(long, default_value = "1h", value_parser = humantime::parse_duration)]
         ttl: Duration,
+        /// An operator's token: it carries auth.operator_claim.
+        #[arg(long)]
+        operator: bool,
     },
     /// Print the GraphQL schema (SDL), as committed in schema.graphql.
     Schema,
+    /// List runs (operators): `--stuck` for the runs nobody moves on.
+    Runs {
+        /// Leases expired without a reclaim, runs queued longer than
+        /// --queued-longer-than, and runs waiting past their interaction's
+        /// expiry.
+        #[arg(long, required = true)]
+        stuck: bool,
+        /// How long a claimable run may wait before it is listed, for
+        /// example 30s, 5m, 1h.
+        #[arg(long, default_value = "5m", value_parser = humantime::parse_duration)]
+        queued_longer_than: Duration,
+        /// One JSON object a line instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// List tool calls (operators): `--unknown` for those whose outcome is
+    /// UNKNOWN, with their idempotency key and downstream target.
+    ToolCalls {
+        #[arg(long, required = true)]
+        unknown: bool,
+        /// One JSON object a line instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn format(json: bool) -> tether::report::Format {
+    if json {
+        tether::report::Format::JsonLines
+    } else {
+        tether::report::Format::Table
+    }
 }
 
 fn main() -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
     let cli = Cli::parse();
     let command = cli.command.unwrap_or(Command::Serve { role: Role::All });
     if let Command::Schema = command {
@@ -82,6 +110,14 @@ fn main() -> ExitCode {
         Ok(config) => config,
         Err(err) => {
             eprintln!("tether: {err}");
+            return ExitCode::from(2);
+        }
+    };
+    // Held to the end: dropping it exports the last spans.
+    let _logs = match tether::logs::init(&config.file.telemetry) {
+        Ok(guard) => guard,
+        Err(err) => {
+            eprintln!("tether: cannot set up logs and traces: {err:#}");
             return ExitCode::from(2);
         }
     };
@@ -100,9 +136,37 @@ fn main() -> ExitCode {
         match command {
             Command::Serve { role } => server::serve(config, role).await,
             Command::Migrate => server::open_store(&config).await.map(|_| ()),
-            Command::Token { tenant, sub, ttl } => {
+            Command::Token {
+                tenant,
+                sub,
+                ttl,
+                operator,
+            } => {
                 let auth = server::authenticator(&config)?;
-                println!("{}", auth.mint(&tenant, &sub, ttl)?);
+                let token = if operator {
+                    auth.mint_operator(&tenant, &sub, ttl)?
+                } else {
+                    auth.mint(&tenant, &sub, ttl)?
+                };
+                println!("{token}");
+                Ok(())
+            }
+            Command::Runs {
+                queued_longer_than,
+                json,
+                ..
+            } => {
+                let store = server::open_store(&config).await?;
+                let report =
+                    tether::report::stuck_runs(&store, queued_longer_than, format(json)).await?;
+                print!("{report}");
+                Ok(())
+            }
+            Command::ToolCalls { json, .. } => {
+                let store = server::open_store(&config).await?;
+                let report =
+                    tether::report::unknown_tool_calls(&store, &config.file, format(json)).await?;
+                print!("{report}");
                 Ok(())
             }
             Command::Schema => Ok(()),

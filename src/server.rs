@@ -1,6 +1,7 @@
 //! `tether serve`: migrate, bind, serve until SIGTERM or Ctrl-C.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -12,6 +13,7 @@ use crate::config::{Config, SecretSource};
 use crate::connections::Connections;
 use crate::runtime::{Runtime, RuntimeOptions};
 use crate::store::{Pools, Store};
+use crate::telemetry;
 use crate::tools;
 use tokio_util::sync::CancellationToken;
 
@@ -76,6 +78,8 @@ pub struct Running {
     /// Stops accepting connections.
     serving: CancellationToken,
     server: tokio::task::JoinHandle<()>,
+    /// `/readyz` answers not-ready once it is set.
+    draining: Arc<AtomicBool>,
     runtime: Option<Runtime>,
     /// Held for the process's life: dropping the file releases the lock.
     _worker_lock: Option<std::fs::File>,
@@ -84,11 +88,16 @@ pub struct Running {
 impl Running {
     /// Stops serving, lets in-flight runs reach a commit point and gives
     /// them back, then returns.
+    ///
+    /// While in-flight runs drain, the API goes on serving and `/readyz`
+    /// answers not-ready, so that a load balancer sends new work elsewhere
+    /// before the listener closes.
     pub async fn shutdown(self) {
-        self.serving.cancel();
+        self.draining.store(true, Ordering::Relaxed);
         if let Some(runtime) = self.runtime {
             runtime.shutdown().await;
         }
+        self.serving.cancel();
         // Open WebSockets do not end by themselves; do not wait on them long.
         let _ = tokio::time::timeout(std::time::Duration::from_secs(5), self.server).await;
         self.stopping.cancel();
@@ -104,6 +113,9 @@ pub async fn start(config: Config, role: Role) -> anyhow::Result<Running> {
         Role::All | Role::Worker => lock_sqlite_for_workers(&config)?,
     };
     let store = open_store(&config).await?;
+    if config.file.metrics.enabled && telemetry::install().is_none() {
+        tracing::warn!("another metrics recorder is installed: /metrics answers 404");
+    }
     let stopping = CancellationToken::new();
     if config.database_url.starts_with("postgres") {
         bus::pg::spawn(
@@ -132,6 +144,28 @@ pub async fn start(config: Config, role: Role) -> anyhow::Result<Running> {
         )
     });
     let services = Services::new(store.clone(), file, connections);
+    let draining = services.draining.clone();
+    let limits = api::listener::ConnectionLimits::of(&config.file.api);
+    let serving = CancellationToken::new();
+    if let Some(address) = config
+        .file
+        .metrics
+        .listen
+        .filter(|_| config.file.metrics.enabled)
+    {
+        let listener = TcpListener::bind(address)
+            .await
+            .with_context(|| format!("cannot listen on {address} (metrics.listen)"))?;
+        tracing::info!(addr = %listener.local_addr()?, "serving /metrics");
+        let app = api::metrics_router(services.clone());
+        // Until the process ends: metrics are read through a drain too.
+        tokio::spawn(api::listener::serve(
+            listener,
+            app,
+            limits,
+            stopping.clone(),
+        ));
+    }
     let app = match role {
         Role::Worker => api::health_router(services),
         Role::All | Role::Api => {
@@ -144,19 +178,14 @@ pub async fn start(config: Config, role: Role) -> anyhow::Result<Running> {
         .with_context(|| format!("cannot listen on {}", config.listen))?;
     let addr = listener.local_addr()?;
     tracing::info!(%addr, ?role, "serving");
-    let serving = CancellationToken::new();
-    let server = tokio::spawn(api::listener::serve(
-        listener,
-        app,
-        api::listener::ConnectionLimits::of(&config.file.api),
-        serving.clone(),
-    ));
+    let server = tokio::spawn(api::listener::serve(listener, app, limits, serving.clone()));
     Ok(Running {
         addr,
         store,
         stopping,
         serving,
         server,
+        draining,
         runtime,
         _worker_lock: worker_lock,
     })

@@ -13,6 +13,7 @@ mod m0005_interactions;
 mod m0006_connections;
 mod m0007_read_indexes;
 mod m0008_run_order;
+mod m0009_operator_actions;
 mod shape;
 
 pub struct Migrator;
@@ -29,6 +30,7 @@ impl MigratorTrait for Migrator {
             Box::new(m0006_connections::Migration),
             Box::new(m0007_read_indexes::Migration),
             Box::new(m0008_run_order::Migration),
+            Box::new(m0009_operator_actions::Migration),
         ]
     }
 }

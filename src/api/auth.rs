@@ -31,6 +31,9 @@ pub struct Viewer {
     pub principal: String,
     /// When the token expires, in seconds since the epoch.
     pub expires_at: i64,
+    /// The token carries `auth.operator_claim`: its holder may use the
+    /// operators' queries and mutations, across tenants.
+    pub operator: bool,
 }
 
 impl Viewer {
@@ -53,6 +56,8 @@ pub enum AuthError {
     Invalid,
     #[error("no secret to sign tokens with: set TETHER_JWT_SECRET")]
     CannotSign,
+    #[error("no token can be an operator's: set auth.operator_claim")]
+    NoOperators,
 }
 
 /// Why an authenticator cannot be built from its configuration.
@@ -79,6 +84,7 @@ pub struct Authenticator {
     validation: Validation,
     tenant_claim: String,
     principal_claim: String,
+    operator_claim: Option<String>,
 }
 
 impl Authenticator {
@@ -153,6 +159,7 @@ impl Authenticator {
             validation,
             tenant_claim: config.tenant_claim.clone(),
             principal_claim: config.principal_claim.clone(),
+            operator_claim: config.operator_claim.clone(),
         })
     }
 
@@ -198,6 +205,10 @@ impl Authenticator {
                 .get("exp")
                 .and_then(Value::as_i64)
                 .ok_or(AuthError::Invalid)?,
+            operator: self
+                .operator_claim
+                .as_ref()
+                .is_some_and(|claim| claims.get(claim) == Some(&Value::Bool(true))),
         })
     }
 
@@ -214,6 +225,30 @@ impl Authenticator {
     /// Signs an HS256 token for `sub` in `tenant`, valid for `ttl`, with
     /// the configured claim names and issuer and audience.
     pub fn mint(&self, tenant: &str, sub: &str, ttl: Duration) -> Result<String, AuthError> {
+        self.sign(tenant, sub, ttl, None)
+    }
+
+    /// `mint`, with `auth.operator_claim` set: an operator's token.
+    pub fn mint_operator(
+        &self,
+        tenant: &str,
+        sub: &str,
+        ttl: Duration,
+    ) -> Result<String, AuthError> {
+        let claim = self
+            .operator_claim
+            .as_deref()
+            .ok_or(AuthError::NoOperators)?;
+        self.sign(tenant, sub, ttl, Some(claim))
+    }
+
+    fn sign(
+        &self,
+        tenant: &str,
+        sub: &str,
+        ttl: Duration,
+        operator_claim: Option<&str>,
+    ) -> Result<String, AuthError> {
         let (key, _) = self.secrets.first().ok_or(AuthError::CannotSign)?;
         let ttl = i64::try_from(ttl.as_secs()).unwrap_or(i64::MAX);
         let mut claims = Map::new();
@@ -228,6 +263,9 @@ impl Authenticator {
         }
         if let Some(audience) = self.validation.aud.iter().flatten().next() {
             claims.insert("aud".into(), audience.clone().into());
+        }
+        if let Some(claim) = operator_claim {
+            claims.insert(claim.to_owned(), true.into());
         }
         // Encoding HS256 with an in-memory key cannot fail.
         Ok(jsonwebtoken::encode(&Header::new(Algorithm::HS256), &claims, key).unwrap_or_default())
@@ -407,6 +445,7 @@ mod tests {
             tenant: "t".into(),
             principal: "p".into(),
             expires_at,
+            operator: false,
         };
         assert_eq!(viewer(i64::MAX).expires_in(), MAX_EXPIRY_WAIT);
         assert_eq!(viewer(i64::MIN).expires_in(), Duration::ZERO);

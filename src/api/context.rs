@@ -30,6 +30,9 @@ pub struct Services {
     pub connections: Arc<Connections>,
     /// One permit per subscription being served (`api.max_subscriptions`).
     pub subscriptions: Arc<tokio::sync::Semaphore>,
+    /// Set when the process starts draining (SIGTERM): `/readyz` answers
+    /// not-ready from then on.
+    pub draining: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Services {
@@ -40,6 +43,7 @@ impl Services {
             config,
             connections,
             subscriptions,
+            draining: Arc::default(),
         }
     }
 }

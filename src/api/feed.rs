@@ -15,6 +15,7 @@ use crate::domain::cursor::Cursor;
 use crate::domain::event::Event;
 use crate::domain::retry::RetryPolicy;
 use crate::store::{Error, Result, Store, reads, retry_within};
+use crate::telemetry;
 
 /// Events read from the log per query while catching up.
 const PAGE: u64 = 500;
@@ -257,6 +258,7 @@ impl Feed {
             let event = match self.live.recv().await {
                 Ok(Signal::Event(event)) => event,
                 Ok(Signal::Stale) | Err(RecvError::Lagged(_)) => {
+                    telemetry::subscriber_fell_behind();
                     self.behind = true;
                     continue;
                 }
@@ -279,6 +281,7 @@ impl Feed {
                 continue;
             }
             if self.wanted(&event) {
+                telemetry::delivered(event.at);
                 return Ok(Some(self.sent(event)));
             }
         }

@@ -293,17 +293,3 @@ pub async fn graphiql(Query(params): Query<GraphiqlParams>) -> Response {
 pub async fn healthz() -> &'static str {
     "ok"
 }
-
-pub async fn readyz(State(app): State<AppState>) -> Response {
-    readyz_store(State(app.services.store)).await
-}
-
-pub async fn readyz_store(State(store): State<crate::store::Store>) -> Response {
-    match store.ping().await {
-        Ok(()) => "ready".into_response(),
-        Err(err) => {
-            tracing::warn!(error = %err, "readiness check failed");
-            (StatusCode::SERVICE_UNAVAILABLE, "database unreachable").into_response()
-        }
-    }
-}

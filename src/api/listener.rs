@@ -9,6 +9,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::Router;
+use axum::extract::ConnectInfo;
 use hyper::body::Incoming;
 use hyper::service::{Service, service_fn};
 use hyper_util::rt::{TokioIo, TokioTimer};
@@ -99,9 +100,14 @@ async fn serve_connection(
 ) {
     let activity = Activity::new();
     let router = TowerToHyperService::new(app);
+    // Handlers that serve loopback callers only (`/metrics`) read it.
+    let peer = tcp.peer_addr().ok().map(ConnectInfo);
     let service = {
         let activity = activity.clone();
-        service_fn(move |request: hyper::Request<Incoming>| {
+        service_fn(move |mut request: hyper::Request<Incoming>| {
+            if let Some(peer) = peer {
+                request.extensions_mut().insert(peer);
+            }
             let guard = activity.begin();
             let response = router.call(request);
             async move {

@@ -10,6 +10,8 @@ pub mod feed;
 mod http;
 pub mod listener;
 pub mod mutation;
+mod operations;
+mod operators;
 pub mod query;
 pub mod subscription;
 pub mod types;
@@ -17,22 +19,41 @@ mod ws;
 
 use std::sync::Arc;
 
-use async_graphql::{SDLExportOptions, Schema};
+use async_graphql::{MergedObject, SDLExportOptions, Schema};
 use axum::Router;
 use axum::http::{HeaderValue, Method, header};
 use axum::routing::get;
 use tower_http::cors::{AllowOrigin, CorsLayer};
 
-use crate::config::ApiConfig;
+use crate::config::{ApiConfig, MetricsConfig};
 use auth::Authenticator;
 use context::{Services, Snapshots};
 use cost::QueryCost;
 use error::ErrorCodes;
 use mutation::Mutation;
+use operators::{OperatorMutation, OperatorQuery};
 use query::Query;
 use subscription::Subscription;
 
-pub type TetherSchema = Schema<Query, Mutation, Subscription>;
+/// The query root: the tenants' fields and the operators'.
+#[derive(MergedObject)]
+#[graphql(name = "Query")]
+pub struct QueryRoot(Query, OperatorQuery);
+
+/// The mutation root: the tenants' fields and the operators'.
+#[derive(MergedObject)]
+#[graphql(name = "Mutation")]
+pub struct MutationRoot(Mutation, OperatorMutation);
+
+fn roots() -> (QueryRoot, MutationRoot, Subscription) {
+    (
+        QueryRoot(Query, OperatorQuery),
+        MutationRoot(Mutation, OperatorMutation),
+        Subscription,
+    )
+}
+
+pub type TetherSchema = Schema<QueryRoot, MutationRoot, Subscription>;
 
 /// What every handler shares.
 #[derive(Clone)]
@@ -48,7 +69,8 @@ pub struct AppState {
 
 pub fn schema(services: Services) -> TetherSchema {
     let limits = &services.config.api;
-    Schema::build(Query, Mutation, Subscription)
+    let (query, mutation, subscription) = roots();
+    Schema::build(query, mutation, subscription)
         .limit_depth(limits.max_query_depth)
         .limit_complexity(limits.max_query_complexity)
         .extension(ErrorCodes)
@@ -67,7 +89,8 @@ pub fn schema(services: Services) -> TetherSchema {
 
 /// The schema in SDL, sorted, as committed in `schema.graphql`.
 pub fn sdl() -> String {
-    Schema::build(Query, Mutation, Subscription)
+    let (query, mutation, subscription) = roots();
+    Schema::build(query, mutation, subscription)
         .finish()
         .sdl_with_options(
             SDLExportOptions::new()
@@ -77,12 +100,33 @@ pub fn sdl() -> String {
         )
 }
 
-/// Only the probes, for `--role worker`.
+/// Only the probes (and `/metrics`, unless it has an address of its own),
+/// for `--role worker`.
 pub fn health_router(services: Services) -> Router {
-    Router::new()
+    let router = Router::new()
         .route("/healthz", get(http::healthz))
-        .route("/readyz", get(http::readyz_store))
-        .with_state(services.store)
+        .route("/readyz", get(operations::readyz));
+    with_metrics(router, &services.config.metrics).with_state(services)
+}
+
+/// `/metrics` alone, for `metrics.listen`.
+pub fn metrics_router(services: Services) -> Router {
+    Router::new()
+        .route("/metrics", get(operations::metrics))
+        .with_state(services)
+}
+
+/// Adds `/metrics` to the main listener's routes, where it is served.
+fn with_metrics<S>(router: Router<S>, config: &MetricsConfig) -> Router<S>
+where
+    S: Clone + Send + Sync + 'static,
+    Services: axum::extract::FromRef<S>,
+{
+    if config.enabled && config.listen.is_none() {
+        router.route("/metrics", get(operations::metrics))
+    } else {
+        router
+    }
 }
 
 pub fn router(services: Services, auth: Authenticator) -> Router {
@@ -113,14 +157,20 @@ impl AppState {
     }
 }
 
+impl axum::extract::FromRef<AppState> for Services {
+    fn from_ref(state: &AppState) -> Services {
+        state.services.clone()
+    }
+}
+
 fn routes(state: AppState) -> Router {
     let cors = cors(&state.services.config.api);
     let router = Router::new()
         .route("/graphql", get(http::graphql_get).post(http::graphql_post))
         .route("/graphiql", get(http::graphiql))
         .route("/healthz", get(http::healthz))
-        .route("/readyz", get(http::readyz))
-        .with_state(state);
+        .route("/readyz", get(operations::readyz));
+    let router = with_metrics(router, &state.services.config.metrics).with_state(state);
     // Outermost, so that every answer carries the headers, the 401s and
     // 413s the handlers give themselves included: a page cannot read an
     // answer without them.

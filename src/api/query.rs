@@ -34,7 +34,7 @@ pub fn parse_cursor(text: &str) -> ApiResult<Cursor> {
     Cursor::parse(text).map_err(|_| ApiError::bad_key("after", "malformed cursor"))
 }
 
-#[Object]
+#[Object(name = "TenantQuery")]
 impl Query {
     async fn me(&self, ctx: &Context<'_>) -> ApiResult<ViewerInfo> {
         let viewer = viewer(ctx)?;

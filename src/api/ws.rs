@@ -31,6 +31,7 @@ use super::auth::{Authenticator, Viewer};
 use super::fanout::{self, Frame, Plan};
 use crate::config::ApiConfig;
 use crate::store::Store;
+use crate::telemetry;
 
 /// Client frames buffered towards the protocol engine.
 const INBOUND_BUFFER: usize = 16;
@@ -78,8 +79,13 @@ pub fn serve(
     protocol: WebSocketProtocols,
     shared: Arc<Shared>,
 ) -> impl Future<Output = ()> + Send + 'static {
+    let open = telemetry::websocket_opened();
     let (sink, stream) = socket.split();
-    converse(sink, stream, protocol, shared)
+    let conversation = converse(sink, stream, protocol, shared);
+    async move {
+        conversation.await;
+        drop(open);
+    }
 }
 
 async fn converse(

@@ -52,6 +52,8 @@ pub struct Bus {
 struct ListenerState {
     /// Lost since it was last up (or never up yet): logged once.
     lost: AtomicBool,
+    /// Listening now.
+    up: AtomicBool,
     reconnects: AtomicU64,
 }
 
@@ -192,6 +194,7 @@ impl Bus {
 
     /// The PostgreSQL listener is listening (after a loss: it is back).
     fn listener_up(&self) {
+        self.listener.up.store(true, Ordering::Relaxed);
         if self.listener.lost.swap(false, Ordering::Relaxed) {
             self.listener.reconnects.fetch_add(1, Ordering::Relaxed);
             tracing::info!("listening for notifications again");
@@ -200,6 +203,7 @@ impl Bus {
 
     /// The PostgreSQL listener is not listening; said once until it is back.
     fn listener_lost(&self, cause: &str) {
+        self.listener.up.store(false, Ordering::Relaxed);
         if !self.listener.lost.swap(true, Ordering::Relaxed) {
             tracing::warn!(
                 cause,
@@ -207,6 +211,12 @@ impl Bus {
                  read the log on their timers (about a second)"
             );
         }
+    }
+
+    /// Whether the PostgreSQL listener is listening now (never, before it
+    /// first connects, and never on SQLite, which has none).
+    pub fn listening(&self) -> bool {
+        self.listener.up.load(Ordering::Relaxed)
     }
 
     /// How many times the PostgreSQL listener came back after a loss.

@@ -148,6 +148,10 @@ pub enum RunInput {
     Requeue,
     /// The run ends for this cause.
     End(EndCause),
+    /// An operator queues again a run that failed because its recoveries
+    /// ran out (the store checks the cause): the one way an ended run
+    /// moves again.
+    Reopen,
 }
 
 impl RunInput {
@@ -159,11 +163,13 @@ impl RunInput {
             RunInput::ScheduleRetry => "wait for a retry",
             RunInput::Requeue => "be re-queued",
             RunInput::End(_) => "end",
+            RunInput::Reopen => "be queued again",
         }
     }
 }
 
-/// The run's next status, or a refusal. Ended runs never move again; only a
+/// The run's next status, or a refusal. Ended runs never move again, but
+/// for an operator's `Reopen` of a failed run; only a
 /// claim makes a run `RUNNING`, and only from `QUEUED` or `RETRY_PENDING`.
 pub fn transition(from: RunStatus, input: RunInput) -> Result<RunStatus, IllegalTransition> {
     use RunStatus::*;
@@ -178,6 +184,7 @@ pub fn transition(from: RunStatus, input: RunInput) -> Result<RunStatus, Illegal
         (Running, RunInput::ScheduleRetry) => RetryPending,
         (Running, RunInput::Requeue) => Queued,
         (Running, RunInput::End(cause)) => cause.final_status(),
+        (Failed, RunInput::Reopen) => Queued,
         (from, RunInput::End(cause)) if from.is_parked() && cause.ends_parked() => {
             cause.final_status()
         }

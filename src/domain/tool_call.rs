@@ -3,7 +3,9 @@
 //! REQUESTED → EXECUTING{attempt} → COMPLETED (with an outcome), or
 //! AWAITING a person first, or INDETERMINATE when a call that must not be
 //! replayed was cut off mid-flight. Recovery never turns EXECUTING back
-//! into REQUESTED, and a terminal call never moves again.
+//! into REQUESTED, and nothing a worker does moves a terminal call again;
+//! only an operator, told by the downstream system how an INDETERMINATE
+//! call came out, moves it to COMPLETED (`ToolInput::Resolve`).
 
 use serde_json::{Value, json};
 
@@ -63,6 +65,9 @@ pub enum ToolInput {
     Cancel,
     /// Its worker died; `replayable` for tools declared idempotent.
     Recover { replayable: bool },
+    /// An operator learned from the downstream system how a call of unknown
+    /// outcome came out.
+    Resolve { succeeded: bool },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -135,6 +140,11 @@ impl ToolCallState {
                 outcome: Some(ToolOutcome::Unknown),
                 ..self
             },
+            (Indeterminate, ToolInput::Resolve { succeeded }) => self.completed(if succeeded {
+                ToolOutcome::Succeeded
+            } else {
+                ToolOutcome::Failed
+            }),
             (from, input) => return Err(IllegalToolTransition { from, input }),
         };
         Ok(next)
@@ -295,6 +305,35 @@ mod tests {
             for input in inputs() {
                 assert!(state.apply(input).is_err(), "{state:?} {input:?}");
             }
+        }
+    }
+
+    #[test]
+    fn an_operator_resolves_only_a_call_of_unknown_outcome() {
+        let unknown = ToolCallState::REQUESTED
+            .apply(ToolInput::Start)
+            .and_then(|s| s.apply(ToolInput::Recover { replayable: false }))
+            .unwrap();
+        for (succeeded, outcome) in [(true, ToolOutcome::Succeeded), (false, ToolOutcome::Failed)] {
+            let resolved = unknown.apply(ToolInput::Resolve { succeeded }).unwrap();
+            assert_eq!(resolved.status, ToolCallStatus::Completed);
+            assert_eq!(resolved.outcome, Some(outcome));
+            assert_eq!(resolved.attempt, unknown.attempt);
+            assert!(
+                resolved.apply(ToolInput::Resolve { succeeded }).is_err(),
+                "resolved once"
+            );
+        }
+        let others = [
+            ToolCallState::REQUESTED,
+            ToolCallState::REQUESTED.apply(ToolInput::Start).unwrap(),
+            ToolCallState::REQUESTED.apply(ToolInput::Cancel).unwrap(),
+        ];
+        for state in others {
+            assert!(
+                state.apply(ToolInput::Resolve { succeeded: true }).is_err(),
+                "{state:?}"
+            );
         }
     }
 

@@ -193,6 +193,24 @@ impl ProviderError {
         }
     }
 
+    /// The error's class, for metrics: `rate_limited` (429), `overloaded`
+    /// (503, 529), `server` (other 5xx), `client` (other statuses),
+    /// `stream`, `network`, `unavailable` or `unusable`.
+    pub fn class(&self) -> &'static str {
+        match self {
+            ProviderError::Http { status: 429, .. } => "rate_limited",
+            ProviderError::Http {
+                status: 503 | 529, ..
+            } => "overloaded",
+            ProviderError::Http { status, .. } if *status >= 500 => "server",
+            ProviderError::Http { .. } => "client",
+            ProviderError::Stream { .. } => "stream",
+            ProviderError::Network(_) => "network",
+            ProviderError::Unavailable(_) => "unavailable",
+            ProviderError::Unusable { .. } => "unusable",
+        }
+    }
+
     /// A response that hit the token limit before a tool call's input was
     /// complete: the same request would be cut off again.
     pub fn cut_off_in_tool_call() -> ProviderError {

@@ -29,6 +29,7 @@ use crate::store::entities::{run, tool_call};
 use crate::store::interactions::{self, ApprovalRequest, Decided};
 use crate::store::tool_calls::{self, Verdict};
 use crate::store::{self, Store};
+use crate::telemetry;
 use crate::tools::invoke::{Effect, Invocation, invoke};
 use crate::tools::registry::{Registry, Runner as ToolRunner, Tool};
 
@@ -118,7 +119,7 @@ impl Runner<'_> {
             .into_iter()
             .map(|call| {
                 let span =
-                    tracing::info_span!("tool_call", tool_call_id = %call.id, tool = %call.name);
+                    tracing::info_span!("tool_call", tool_call_id = %call.id, tool = %call.name, run_id = %call.run_id, tenant = %call.tenant);
                 self.call(call, &batch).instrument(span).boxed()
             })
             .collect();
@@ -419,6 +420,7 @@ impl Runner<'_> {
             .whole(move |s, l| async move { tool_calls::start(&s, &l, id, replay).await })
             .await?;
         failpoints::hit("after_tool_executing");
+        let began = std::time::Instant::now();
         let outcome = invoke(Invocation {
             tool,
             input,
@@ -430,6 +432,7 @@ impl Runner<'_> {
             bearer,
         })
         .await;
+        telemetry::tool(&tool.name, began.elapsed());
         failpoints::hit("after_tool_response");
         let max = self.max_inline_bytes;
         let cut = outcome.cut;

@@ -23,6 +23,7 @@ use crate::store::commit::Lease;
 use crate::store::interactions;
 use crate::store::queue::{self, Heartbeat, Reclaim};
 use crate::store::{Store, retry_within};
+use crate::telemetry;
 use crate::tools::registry::Registry as ToolRegistry;
 use engine::{Control, Executed, Stop};
 
@@ -165,8 +166,14 @@ async fn dispatch(
             if free == 0 {
                 break;
             }
+            let began = std::time::Instant::now();
             let claimed = match queue::take(&store, &options.instance_id, lease_ms, free).await {
-                Ok(claimed) => claimed,
+                Ok(claimed) => {
+                    if !claimed.is_empty() {
+                        telemetry::claimed(claimed.len(), began.elapsed());
+                    }
+                    claimed
+                }
                 Err(err) => {
                     tracing::warn!(error = %err, "claiming failed");
                     break;

@@ -186,6 +186,31 @@ pub mod run_audit {
     impl ActiveModelBehavior for ActiveModel {}
 }
 
+pub mod operator_action {
+    use sea_orm::entity::prelude::*;
+
+    /// What an operator did across tenants, with their note.
+    #[derive(Clone, Debug, PartialEq, DeriveEntityModel)]
+    #[sea_orm(table_name = "operator_actions")]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub id: Uuid,
+        pub operator: String,
+        pub action: String,
+        pub tenant: String,
+        pub run_id: Option<Uuid>,
+        pub tool_call_id: Option<Uuid>,
+        pub note: String,
+        pub detail: Json,
+        pub created_at: i64,
+    }
+
+    #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]
+    pub enum Relation {}
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
 pub mod summary {
     use sea_orm::entity::prelude::*;
 

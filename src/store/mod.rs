@@ -6,6 +6,7 @@ pub mod commit;
 pub mod connections;
 pub mod entities;
 pub mod interactions;
+pub mod operations;
 pub mod queue;
 pub mod reads;
 pub mod runs;
@@ -239,6 +240,41 @@ impl Store {
     /// benchmarks).
     pub fn read_statements(&self) -> u64 {
         self.read_statements.load(Ordering::Relaxed)
+    }
+
+    /// Each pool's connections, for the metrics: the pool for writes and
+    /// the workers' reads, then the API's read pool.
+    pub fn pool_usage(&self) -> Vec<crate::telemetry::Pool> {
+        [("write", &self.db), ("read", &self.reads)]
+            .into_iter()
+            .map(|(name, db)| {
+                let (size, idle, max) = match db.get_database_backend() {
+                    DatabaseBackend::Postgres => {
+                        let pool = db.get_postgres_connection_pool();
+                        (
+                            pool.size(),
+                            pool.num_idle(),
+                            pool.options().get_max_connections(),
+                        )
+                    }
+                    _ => {
+                        let pool = db.get_sqlite_connection_pool();
+                        (
+                            pool.size(),
+                            pool.num_idle(),
+                            pool.options().get_max_connections(),
+                        )
+                    }
+                };
+                let idle = u32::try_from(idle).unwrap_or(u32::MAX).min(size);
+                crate::telemetry::Pool {
+                    name,
+                    in_use: size - idle,
+                    idle,
+                    max,
+                }
+            })
+            .collect()
     }
 
     pub fn backend(&self) -> DatabaseBackend {

@@ -2,6 +2,7 @@
 //! is gone. A claim is one statement; every later write of the worker is
 //! fenced by the epoch the claim gave it (see `store::runs`).
 
+use sea_orm::ActiveValue::Set;
 use sea_orm::{
     ColumnTrait, ConnectionTrait, DatabaseBackend, EntityTrait, IdenStatic, Iterable, QueryFilter,
     QueryOrder, QuerySelect, Statement, Value,
@@ -10,7 +11,8 @@ use sea_orm::{
 use uuid::Uuid;
 
 use super::commit::{self, Begun, Lease, Log};
-use super::entities::run;
+use super::entities::{run, run_audit};
+use super::reads::Claimable;
 use super::{Result, Store};
 use crate::domain::event::NewEvent;
 use crate::domain::run::{EndCause, RunError, RunInput, RunStatus, transition};
@@ -118,13 +120,9 @@ async fn claim_in<C: ConnectionTrait>(
             _ => "?".to_owned(),
         }
     };
-    let unended = RunStatus::not_ended()
-        .map(|s| format!("'{}'", s.as_str()))
-        .collect::<Vec<_>>()
-        .join(", ");
-    let (skip_locked, greatest) = match backend {
-        DatabaseBackend::Postgres => (" FOR UPDATE SKIP LOCKED", "GREATEST"),
-        _ => ("", "MAX"),
+    let skip_locked = match backend {
+        DatabaseBackend::Postgres => " FOR UPDATE SKIP LOCKED",
+        _ => "",
     };
     // Named columns, not `*`: sqlx's SQLite driver keeps the column list it
     // saw when it first prepared a statement, and a `*` that grew under it
@@ -135,20 +133,18 @@ async fn claim_in<C: ConnectionTrait>(
         .join(", ");
     let (p_owner, p_expires, p_claimed, p_started, p_due) =
         (param(), param(), param(), param(), param());
+    let Claimable {
+        condition,
+        ready_since,
+    } = Claimable::sql(backend, &p_due);
     let sql = format!(
         "UPDATE runs SET status = 'RUNNING', lease_owner = {p_owner}, \
          lease_epoch = lease_epoch + 1, lease_expires_at = {p_expires}, \
          claimed_at = {p_claimed}, started_at = COALESCE(started_at, {p_started}), \
          next_attempt_at = NULL, attempt = CASE WHEN attempt = 0 THEN 1 ELSE attempt END \
          WHERE status IN ('QUEUED', 'RETRY_PENDING') AND id IN (\
-           SELECT r.id FROM runs r \
-           WHERE (r.status = 'QUEUED' OR (r.status = 'RETRY_PENDING' AND r.next_attempt_at <= {p_due})) \
-           AND NOT EXISTS (SELECT 1 FROM runs o WHERE o.conversation_id = r.conversation_id \
-                           AND o.seq < r.seq AND o.status IN ({unended})) \
-           ORDER BY CASE WHEN r.status = 'RETRY_PENDING' THEN r.next_attempt_at \
-             ELSE {greatest}(r.created_at, COALESCE((SELECT p.ended_at FROM runs p \
-               WHERE p.conversation_id = r.conversation_id AND p.seq < r.seq \
-               ORDER BY p.seq DESC LIMIT 1), 0)) END, r.seq, r.id \
+           SELECT r.id FROM runs r WHERE {condition} \
+           ORDER BY {ready_since}, r.seq, r.id \
            LIMIT {limit}{skip_locked}) \
          RETURNING {columns}"
     );
@@ -379,6 +375,106 @@ async fn recover(
     tx.append(&conversation, events).await?;
     store.commit(tx).await?;
     Ok(true)
+}
+
+/// Queues again a run that failed `RECOVERY_LIMIT` (its worker kept dying):
+/// an operator's decision, for any tenant's run, audited with the ending it
+/// undoes. Its recoveries start again from zero, and it goes on from its
+/// committed steps. Refused for any other run, and when a later run of its
+/// conversation has started: the conversation would no longer read in its
+/// runs' order.
+pub async fn requeue(
+    store: &Store,
+    operator: &str,
+    run_id: Uuid,
+    note: &str,
+) -> Result<run::Model> {
+    let mut tx = store.begin_write().await?;
+    let found = run::Entity::find_by_id(run_id)
+        .one(&*tx)
+        .await?
+        .ok_or(super::Error::NotFound)?;
+    let conversation = tx
+        .lock_conversation(found.conversation_id, &found.tenant)
+        .await?;
+    let row = run::Entity::find_by_id(run_id)
+        .lock_exclusive()
+        .one(&*tx)
+        .await?
+        .ok_or(super::Error::NotFound)?;
+    if row.end_cause.as_deref() != Some(EndCause::RecoveryLimit.as_str()) {
+        return Err(super::Error::Conflict(format!(
+            "only a run that failed RECOVERY_LIMIT can be queued again; this one is {}{}",
+            row.status,
+            row.end_cause
+                .as_deref()
+                .map(|cause| format!(" ({cause})"))
+                .unwrap_or_default()
+        )));
+    }
+    let from: RunStatus = super::parse_stored(&row.status, "run status")?;
+    let to =
+        transition(from, RunInput::Reopen).map_err(|e| super::Error::Conflict(e.to_string()))?;
+    let later_started = run::Entity::find()
+        .filter(run::Column::ConversationId.eq(row.conversation_id))
+        .filter(run::Column::Seq.gt(row.seq))
+        .filter(run::Column::Status.ne(RunStatus::Queued.as_str()))
+        .one(&*tx)
+        .await?;
+    if later_started.is_some() {
+        return Err(super::Error::Conflict(
+            "a later run of this conversation has started; queueing this one again would \
+             take the conversation out of its runs' order"
+                .into(),
+        ));
+    }
+    let audit = run_audit::Entity::find_by_id(run_id).one(&*tx).await?;
+    let before = serde_json::json!({
+        "status": row.status,
+        "endCause": row.end_cause,
+        "error": row.error,
+        "endedAt": row.ended_at,
+        "recoveries": row.recoveries,
+        "audit": audit.map(|a| serde_json::json!({
+            "status": a.status,
+            "endCause": a.end_cause,
+            "steps": a.steps,
+            "activeMs": a.active_ms,
+            "endedAt": a.ended_at,
+        })),
+    });
+    // The ending it undoes is kept in the operator's record; the run's
+    // audit row is written again when it ends.
+    run_audit::Entity::delete_by_id(run_id).exec(&*tx).await?;
+    let mut active: run::ActiveModel = row.clone().into();
+    active.status = Set(to.as_str().to_owned());
+    active.end_cause = Set(None);
+    active.end_reason = Set(None);
+    active.error = Set(None);
+    active.ended_at = Set(None);
+    active.recoveries = Set(0);
+    active.cancel_requested = Set(false);
+    let requeued = sea_orm::ActiveModelTrait::update(active, &*tx).await?;
+    commit::record_operator_action(
+        &tx,
+        commit::OperatorAction {
+            operator,
+            action: "requeueRun",
+            tenant: &row.tenant,
+            run_id: Some(run_id),
+            tool_call_id: None,
+            note,
+            detail: serde_json::json!({ "before": before, "after": { "status": to.as_str() } }),
+        },
+    )
+    .await?;
+    tx.append(
+        &conversation,
+        NewEvent::run_status(run_id, to).into_iter().collect(),
+    )
+    .await?;
+    store.commit(tx).await?;
+    Ok(requeued)
 }
 
 #[cfg(test)]

@@ -351,3 +351,40 @@ pub async fn interactions_of_parts<C: ConnectionTrait>(
     )
     .await
 }
+
+/// Which runs workers may claim, as SQL over `runs r`.
+pub(in crate::store) struct Claimable {
+    /// The condition: queued, or due for another attempt at `due` (a
+    /// parameter), with no earlier run of its conversation unended.
+    pub condition: String,
+    /// Since when each has been ready: its next attempt's time, or when it
+    /// was created or, if later, when the run before it ended. Claims take
+    /// the longest ready first.
+    pub ready_since: String,
+}
+
+impl Claimable {
+    pub(in crate::store) fn sql(backend: sea_orm::DatabaseBackend, due: &str) -> Claimable {
+        let unended = RunStatus::not_ended()
+            .map(|s| format!("'{}'", s.as_str()))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let greatest = match backend {
+            sea_orm::DatabaseBackend::Postgres => "GREATEST",
+            _ => "MAX",
+        };
+        Claimable {
+            condition: format!(
+                "(r.status = 'QUEUED' OR (r.status = 'RETRY_PENDING' AND r.next_attempt_at <= {due})) \
+                 AND NOT EXISTS (SELECT 1 FROM runs o WHERE o.conversation_id = r.conversation_id \
+                                 AND o.seq < r.seq AND o.status IN ({unended}))"
+            ),
+            ready_since: format!(
+                "CASE WHEN r.status = 'RETRY_PENDING' THEN r.next_attempt_at \
+                 ELSE {greatest}(r.created_at, COALESCE((SELECT p.ended_at FROM runs p \
+                   WHERE p.conversation_id = r.conversation_id AND p.seq < r.seq \
+                   ORDER BY p.seq DESC LIMIT 1), 0)) END"
+            ),
+        }
+    }
+}

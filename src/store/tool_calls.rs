@@ -261,3 +261,86 @@ pub async fn indeterminate(
     )
     .await
 }
+
+/// How an operator says a call of unknown outcome came out.
+#[derive(Debug, Clone)]
+pub struct Resolution<'a> {
+    pub operator: &'a str,
+    pub succeeded: bool,
+    /// What the downstream system reports, as the call's output.
+    pub output: Value,
+    pub note: &'a str,
+}
+
+/// Records what the downstream system says became of a call whose outcome
+/// is `UNKNOWN`: the call is `COMPLETED`, its output says what the
+/// operator learned, and the action is audited, in one transaction. The
+/// model reads it in the history of the run's next step or of the next run,
+/// as a fact: nothing is called again. Any tenant's call (operators only).
+pub async fn resolve(
+    store: &Store,
+    call_id: Uuid,
+    resolution: Resolution<'_>,
+) -> Result<tool_call::Model> {
+    let mut tx = store.begin_write().await?;
+    let call = tool_call::Entity::find_by_id(call_id)
+        .one(&*tx)
+        .await?
+        .ok_or(Error::NotFound)?;
+    let conversation = tx
+        .lock_conversation(call.conversation_id, &call.tenant)
+        .await?;
+    let before = commit::state_of(&call)?;
+    if before.outcome != Some(ToolOutcome::Unknown) {
+        let now = match before.outcome {
+            Some(outcome) => format!("{} ({})", before.status, outcome),
+            None => before.status.to_string(),
+        };
+        return Err(Error::Conflict(format!(
+            "only a tool call whose outcome is UNKNOWN can be resolved; this one is {now}"
+        )));
+    }
+    let run = super::entities::run::Entity::find_by_id(call.run_id)
+        .one(&*tx)
+        .await?
+        .ok_or(Error::NotFound)?;
+    let Resolution {
+        operator,
+        succeeded,
+        output,
+        note,
+    } = resolution;
+    let earlier = call.output.clone();
+    let recorded = json!({
+        "outcome": if succeeded { "COMPLETED" } else { "FAILED" },
+        "output": output,
+        "note": note,
+        "resolved": "the call was cut off mid-flight and its outcome was unknown; an operator \
+                     learned this outcome from the downstream system. Do not repeat the call.",
+    });
+    let stored = recorded.clone();
+    let (saved, events) = change_in(
+        &tx,
+        &run,
+        call_id,
+        ToolInput::Resolve { succeeded },
+        move |active, _| active.output = Set(Some(stored)),
+    )
+    .await?;
+    commit::record_operator_action(
+        &tx,
+        commit::OperatorAction {
+            operator,
+            action: "resolveToolCall",
+            tenant: &call.tenant,
+            run_id: Some(call.run_id),
+            tool_call_id: Some(call_id),
+            note,
+            detail: json!({ "before": { "outcome": "UNKNOWN", "output": earlier }, "after": recorded }),
+        },
+    )
+    .await?;
+    tx.append(&conversation, events).await?;
+    store.commit(tx).await?;
+    Ok(saved)
+}

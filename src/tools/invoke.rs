@@ -111,6 +111,11 @@ async fn http_call(target: &HttpTarget, call: &Invocation<'_>) -> Outcome {
             Some(token) => request.bearer_auth(token),
             None => request,
         };
+        let request = crate::logs::trace_headers()
+            .into_iter()
+            .fold(request, |request, (name, value)| {
+                request.header(name, value)
+            });
         let transient = match attempt(request, target.max_response_bytes).await {
             Ok(outcome) => return outcome,
             Err(transient) => transient,

@@ -37,6 +37,8 @@ pub struct Recorded {
     pub run_id: Option<String>,
     pub tool_call_id: Option<String>,
     pub authorization: Option<String>,
+    /// The W3C trace context the request carried.
+    pub traceparent: Option<String>,
     pub body: Value,
 }
 
@@ -161,6 +163,7 @@ async fn handle(
         run_id: header(&headers, "x-tether-run-id"),
         tool_call_id: header(&headers, "x-tether-tool-call-id"),
         authorization: header(&headers, "authorization"),
+        traceparent: header(&headers, "traceparent"),
         body: body.clone(),
     });
     shared.changed.notify_waiters();

@@ -332,6 +332,7 @@ async fn statements_for(server: &Server, tenant: &str, query: &str) -> u64 {
             tenant: tenant.to_owned(),
             principal: "ada".to_owned(),
             expires_at: i64::MAX,
+            operator: false,
         }))
         .await;
     assert!(response.errors.is_empty(), "{:?}", response.errors);

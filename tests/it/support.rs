@@ -22,6 +22,10 @@ use uuid::Uuid;
 
 pub const SECRET: &str = "integration-test-secret-at-least-32-bytes";
 
+/// The claim that makes a token an operator's, where tests configure one
+/// (`[auth] operator_claim`).
+pub const OPERATOR_CLAIM: &str = "tether_operator";
+
 /// How long any single expected thing may take before a test fails.
 pub const PATIENCE: Duration = Duration::from_secs(20);
 
@@ -570,6 +574,32 @@ impl Server {
         self.auth
             .mint(tenant, sub, ttl)
             .expect("the test secret signs")
+    }
+
+    /// An operator's token, for a configuration whose `auth.operator_claim`
+    /// is `OPERATOR_CLAIM`.
+    pub fn operator_token(&self, tenant: &str, sub: &str) -> String {
+        let config = tether::config::AuthConfig {
+            operator_claim: Some(OPERATOR_CLAIM.to_owned()),
+            ..Default::default()
+        };
+        Authenticator::from_config(&config, vec![SECRET.to_owned()])
+            .expect("the test secret is long enough")
+            .mint_operator(tenant, sub, Duration::from_secs(3600))
+            .expect("the test secret signs")
+    }
+
+    /// Runs `tether ARGS` (an operator's command) on this server's database
+    /// and configuration, to its end.
+    pub async fn command(&self, args: &[&str]) -> std::process::Output {
+        let mut command = tether_command(&self.db, &self.options.config, &self.db.dir);
+        for (name, value) in &self.options.env {
+            command.env(name, value);
+        }
+        tokio::time::timeout(PATIENCE, command.args(args).output())
+            .await
+            .expect("the command ends")
+            .expect("the binary runs")
     }
 
     /// Posts a GraphQL request; returns the HTTP status and the JSON body.

@@ -16,6 +16,7 @@ use crate::providers::ProviderError;
 use crate::store::commit::{Ending, Lease};
 use crate::store::runs::{self, RetryAfterFailure};
 use crate::store::{self, Store};
+use crate::telemetry;
 
 impl Steps<'_> {
     /// The worker stops before the run is done.
@@ -59,6 +60,8 @@ impl Steps<'_> {
         let error = provider_error(&err);
         let policy = retry_policy(self.agent);
         let failed_attempt = attempt.request_attempt;
+        let (provider, class) = (self.agent.provider.as_str(), err.class());
+        telemetry::provider_failed(provider, class);
         if !(err.is_transient() && policy.allows_another(failed_attempt as u32)) {
             let ending = Ending {
                 cause: EndCause::Error,
@@ -98,7 +101,7 @@ impl Steps<'_> {
             usage,
         };
         match runs::schedule_retry(store, lease, &attempt.texts(), retry).await {
-            Ok(_) => {}
+            Ok(_) => telemetry::provider_retried(provider, class),
             Err(store::Error::CancelRequested) => {
                 let ending = ended(EndCause::Cancelled, usage, step);
                 return end(store, lease, attempt, ending).await;

@@ -21,6 +21,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 
 use super::{history, stop};
 use crate::config::{AgentConfig, PolicyConfig};
@@ -29,6 +30,7 @@ use crate::providers::{ModelRequest, Provider, ToolSpec};
 use crate::store::commit::Lease;
 use crate::store::entities::run;
 use crate::store::{self, Store};
+use crate::telemetry;
 use crate::tools::registry::{Registry, Tool};
 use end::{end, ended, failed, over, over_ceiling, stopped_by};
 use inference::{Attempt, Context, Inference, Stream, compact};
@@ -148,7 +150,19 @@ impl Steps<'_> {
             deadline: self.deadline,
             control: self.control,
         };
-        let inference = stream.infer(self.provider, request, &mut attempt).await?;
+        let began = std::time::Instant::now();
+        let span = tracing::info_span!(
+            "inference",
+            provider = agent.provider.as_str(),
+            model = %request.model,
+            attempt = attempt.request_attempt
+        );
+        let inference = stream
+            .infer(self.provider, request, &mut attempt)
+            .instrument(span)
+            .await;
+        telemetry::inference(agent.provider.as_str(), began.elapsed());
+        let inference = inference?;
 
         // After inference.
         let usage = attempt.usage(agent);

@@ -20,6 +20,7 @@ use crate::store::queue;
 use crate::store::runs;
 use crate::store::tool_calls;
 use crate::store::{self, Store};
+use crate::telemetry;
 use crate::tools::registry::Registry;
 
 /// Executes one claim of a run; whether it failed, so that the caller gives
@@ -37,6 +38,7 @@ pub async fn execute(
         "run",
         run_id = %lease.run_id,
         conversation_id = %lease.conversation_id,
+        tenant = %lease.tenant,
         epoch = lease.epoch
     );
     match drive(&store, &config, &tools, &lease, claimed.begun, &control)
@@ -141,7 +143,13 @@ async fn drive(
         step += 1;
     }
     loop {
-        match steps.step(step, attempt).await? {
+        let began = std::time::Instant::now();
+        let next = steps
+            .step(step, attempt)
+            .instrument(tracing::info_span!("step", step))
+            .await;
+        telemetry::step(began.elapsed());
+        match next? {
             Next::Step(next) => attempt = next,
             Next::Over => return Ok(()),
         }

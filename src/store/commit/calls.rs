@@ -53,12 +53,22 @@ pub(in crate::store) async fn change_in(
         events.push(tool_event(event_for(after), row.id, call.id, &call.name));
     }
     let part_id = call.part_id;
+    count_outcome(tx, &call.name, before, after);
     let mut active: tool_call::ActiveModel = call.into();
     set_state(&mut active, after);
     fill(&mut active, after);
     let saved = active.update(&**tx).await?;
     events.push(part_touched(tx, row, part_id).await?);
     Ok((saved, events))
+}
+
+/// A call that gets its outcome in this change is counted in the metrics.
+fn count_outcome(tx: &WriteTx, tool: &str, before: ToolCallState, after: ToolCallState) {
+    if before.outcome.is_none()
+        && let Some(outcome) = after.outcome
+    {
+        tx.count_tool_outcome(tool, outcome);
+    }
 }
 
 fn set_state(active: &mut tool_call::ActiveModel, state: ToolCallState) {
@@ -96,7 +106,8 @@ pub(in crate::store) async fn close_unfinished(
         .await?;
     let mut events = Vec::new();
     for call in open_calls {
-        let state = state_of(&call)?
+        let before = state_of(&call)?;
+        let state = before
             .apply(ToolInput::Cancel)
             .map_err(|e| Error::Conflict(e.to_string()))?;
         events.push(tool_event(
@@ -106,6 +117,7 @@ pub(in crate::store) async fn close_unfinished(
             &call.name,
         ));
         let part_id = call.part_id;
+        count_outcome(tx, &call.name, before, state);
         let mut active: tool_call::ActiveModel = call.into();
         set_state(&mut active, state);
         if let Some(outcome) = state.outcome {

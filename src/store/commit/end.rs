@@ -134,6 +134,7 @@ pub(in crate::store) async fn end_closed(
     active.active_ms = Set(active_ms);
     clear_lease(&mut active);
     active.update(&**tx).await?;
+    tx.count_run_end(to, cause);
     events.extend(NewEvent::run_status(run_id, to));
     Ok(events)
 }

@@ -9,6 +9,7 @@
 //! so the arrows inside `store/` point one way: down to here, to `reads`
 //! and to `entities`.
 
+mod audit;
 mod calls;
 mod end;
 mod group;
@@ -16,6 +17,8 @@ mod parts;
 mod pending;
 mod start;
 
+pub use audit::OperatorAction;
+pub(in crate::store) use audit::record as record_operator_action;
 pub use calls::state_of;
 pub(in crate::store) use calls::{change_in, tool_event};
 pub use end::Ending;
@@ -34,6 +37,7 @@ pub(in crate::store) use pending::{
 pub use start::Begun;
 pub(in crate::store) use start::{open_text_part, start};
 
+use std::sync::PoisonError;
 use std::sync::atomic::Ordering;
 
 use sea_orm::sea_query::{Expr, ExprTrait};
@@ -50,8 +54,10 @@ use super::{Error, Result, Store};
 use crate::bus::pg;
 use crate::domain::cursor::Cursor;
 use crate::domain::event::{Event, EventKind, NewEvent};
-use crate::domain::run::RunStatus;
+use crate::domain::run::{EndCause, RunStatus};
 use crate::domain::time::now_millis;
+use crate::domain::tool_call::ToolOutcome;
+use crate::telemetry::{self, Tally};
 
 impl Store {
     /// Waits for this process's turn to write and counts the write. Every
@@ -101,6 +107,7 @@ impl Store {
             cancels: Vec::new(),
             notify_as,
             lane,
+            tally: std::sync::Mutex::default(),
         })
     }
 
@@ -121,12 +128,14 @@ impl Store {
             events,
             cancels,
             lane,
+            tally,
             ..
         } = write;
         tx.commit().await?;
         Ok(Committed {
             events,
             cancels,
+            tally: tally.into_inner().unwrap_or_else(PoisonError::into_inner),
             _lane: lane,
         })
     }
@@ -135,6 +144,7 @@ impl Store {
     /// workers of the cancellations the transaction committed: the one place
     /// persisted events are fanned out.
     fn announce(&self, committed: &Committed) {
+        telemetry::committed(&committed.events, &committed.tally);
         self.bus.publish(&committed.events);
         for run_id in &committed.cancels {
             self.bus.request_cancel(*run_id);
@@ -150,6 +160,7 @@ pub(crate) type WriteLane = Option<OwnedMutexGuard<()>>;
 struct Committed {
     events: Vec<Event>,
     cancels: Vec<Uuid>,
+    tally: Tally,
     _lane: WriteLane,
 }
 
@@ -164,6 +175,9 @@ pub struct WriteTx {
     /// On PostgreSQL, this process's origin for NOTIFY payloads.
     notify_as: Option<Uuid>,
     lane: WriteLane,
+    /// The runs it ends and the tool calls it gives an outcome, counted in
+    /// the metrics once it commits.
+    tally: std::sync::Mutex<Tally>,
 }
 
 impl std::ops::Deref for WriteTx {
@@ -174,6 +188,20 @@ impl std::ops::Deref for WriteTx {
 }
 
 impl WriteTx {
+    /// Notes a run this transaction ends, for the metrics.
+    pub(in crate::store) fn count_run_end(&self, status: RunStatus, cause: EndCause) {
+        self.tally().runs_ended.push((status, cause));
+    }
+
+    /// Notes a tool call this transaction gives an outcome, for the metrics.
+    pub(in crate::store) fn count_tool_outcome(&self, tool: &str, outcome: ToolOutcome) {
+        self.tally().tool_outcomes.push((tool.to_owned(), outcome));
+    }
+
+    fn tally(&self) -> std::sync::MutexGuard<'_, Tally> {
+        self.tally.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
     /// Locks a conversation of `tenant` for the rest of the transaction, so
     /// that its writers serialize and its event sequence follows commit order.
     pub async fn lock_conversation(&self, id: Uuid, tenant: &str) -> Result<conversation::Model> {
