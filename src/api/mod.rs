@@ -10,6 +10,7 @@ pub mod feed;
 mod http;
 pub mod listener;
 pub mod mutation;
+mod playground;
 pub mod query;
 pub mod subscription;
 pub mod types;
@@ -117,7 +118,8 @@ fn routes(state: AppState) -> Router {
     let cors = cors(&state.services.config.api);
     let router = Router::new()
         .route("/graphql", get(http::graphql_get).post(http::graphql_post))
-        .route("/graphiql", get(http::graphiql))
+        .route("/graphiql", get(playground::page))
+        .route("/graphiql/assets/{name}", get(playground::asset))
         .route("/healthz", get(http::healthz))
         .route("/readyz", get(http::readyz))
         .with_state(state);
