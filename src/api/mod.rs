@@ -8,6 +8,7 @@ pub mod events;
 mod fanout;
 pub mod feed;
 mod http;
+mod introspection;
 pub mod listener;
 pub mod mutation;
 mod playground;
@@ -49,7 +50,17 @@ pub struct AppState {
 
 pub fn schema(services: Services) -> TetherSchema {
     let limits = &services.config.api;
-    Schema::build(Query, Mutation, Subscription)
+    let builder = Schema::build(Query, Mutation, Subscription);
+    // Without the playground, the schema is not handed out either, and a
+    // request that asks for it is told so.
+    let builder = if limits.playground {
+        builder
+    } else {
+        builder
+            .disable_introspection()
+            .extension(introspection::RefuseIntrospection)
+    };
+    builder
         .limit_depth(limits.max_query_depth)
         .limit_complexity(limits.max_query_complexity)
         .extension(ErrorCodes)
@@ -116,13 +127,16 @@ impl AppState {
 
 fn routes(state: AppState) -> Router {
     let cors = cors(&state.services.config.api);
-    let router = Router::new()
+    let mut router = Router::new()
         .route("/graphql", get(http::graphql_get).post(http::graphql_post))
-        .route("/graphiql", get(playground::page))
-        .route("/graphiql/assets/{name}", get(playground::asset))
         .route("/healthz", get(http::healthz))
-        .route("/readyz", get(http::readyz))
-        .with_state(state);
+        .route("/readyz", get(http::readyz));
+    if state.services.config.api.playground {
+        router = router
+            .route("/graphiql", get(playground::page))
+            .route("/graphiql/assets/{name}", get(playground::asset));
+    }
+    let router = router.with_state(state);
     // Outermost, so that every answer carries the headers, the 401s and
     // 413s the handlers give themselves included: a page cannot read an
     // answer without them.

@@ -1,5 +1,7 @@
 //! The GraphiQL playground over real HTTP: its page and assets come from the
-//! server itself.
+//! server itself, and `[api] playground = false` takes away the page and
+//! introspection. (The browser test, `scripts/graphiql/e2e.mjs`, runs the
+//! page offline in Chromium.)
 
 use serde_json::json;
 
@@ -133,4 +135,47 @@ async fn a_token_in_the_url_reaches_the_page_only_when_it_is_shaped_like_a_jwt()
         );
         assert_eq!(page.matches("<script").count(), 2, "{hostile}");
     }
+}
+
+#[tokio::test]
+async fn without_the_playground_graphiql_is_gone_and_introspection_refused() {
+    let server = Server::with_api("playground = false").await;
+    let on = Server::start().await;
+    let page = on.get("/graphiql").await.text().await.unwrap();
+    for path in references(&page)
+        .iter()
+        .map(|r| format!("/{r}"))
+        .chain(["/graphiql".to_owned(), "/graphiql?token=a.b.c".to_owned()])
+    {
+        let response = server.get(&path).await;
+        assert_eq!(response.status().as_u16(), 404, "{path}");
+    }
+
+    let token = server.token("acme", "ada");
+    for query in [
+        "{ __schema { types { name } } }",
+        "{ __type(name: \"Run\") { fields { name } } }",
+    ] {
+        let (status, body) = server.post(Some(&token), query, json!({})).await;
+        assert!(
+            body["data"].is_null() || body.get("data").is_none(),
+            "{query}: {body}"
+        );
+        let error = &body["errors"][0];
+        assert_eq!(
+            error["extensions"]["code"], "BAD_USER_INPUT",
+            "{query}: {body}"
+        );
+        assert_eq!(
+            error["message"], "introspection is disabled on this server",
+            "{query}: {body}"
+        );
+        assert!(status == 200 || status == 400, "{query}: {status}");
+    }
+    // Everything else is served as before, `__typename` included.
+    let data = server
+        .gql(&token, "{ agents { name __typename } }", json!({}))
+        .await;
+    assert_eq!(data["agents"][0]["name"], "demo");
+    assert_eq!(data["agents"][0]["__typename"], "Agent");
 }
