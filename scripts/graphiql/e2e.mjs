@@ -2,7 +2,10 @@
 // scripted agent, a temporary SQLite file) and Debian's Chromium driven by
 // playwright-core, with every request to anywhere but that tether aborted
 // and recorded: any such request fails the test, so the page is proven to
-// load and work offline. Every wait is for a condition.
+// load and work offline. (The page's own Content-Security-Policy refuses
+// such loads before they reach the network; the browser logs each refusal
+// as a console error, which fails the test as well.) Every wait is for a
+// condition.
 //
 //   TETHER_BIN=/path/to/tether npm run e2e
 //

@@ -10,8 +10,8 @@ import { createClient } from "graphql-ws";
 import "graphiql/style.css";
 import "./page.css";
 
-const DEFAULT_QUERY = `# Tether's GraphQL API. Run with Ctrl-Enter; the Docs button lists
-# every query, mutation and subscription.
+const DEFAULT_QUERY = `# Run with Ctrl-Enter. The book icon
+# (top left) lists the whole API.
 {
   me { tenant principal }
   agents { name model tools }
