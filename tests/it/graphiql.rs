@@ -5,7 +5,7 @@
 
 use serde_json::json;
 
-use crate::support::Server;
+use crate::support::{Server, WsClient};
 
 /// The `src` and `href` values of a page, in order.
 fn references(page: &str) -> Vec<String> {
@@ -172,6 +172,23 @@ async fn without_the_playground_graphiql_is_gone_and_introspection_refused() {
         );
         assert!(status == 200 || status == 400, "{query}: {status}");
     }
+    // Over a WebSocket too, where the same schema answers.
+    let mut socket = WsClient::connect(&server, &token).await;
+    socket
+        .subscribe("1", "{ __schema { queryType { name } } }", json!({}))
+        .await;
+    let answer = socket.next_json().await.expect("an answer");
+    assert_eq!(answer["id"], "1", "{answer}");
+    let errors = match answer["type"].as_str() {
+        Some("error") => &answer["payload"],
+        _ => &answer["payload"]["errors"],
+    };
+    assert_eq!(
+        errors[0]["message"], "introspection is disabled on this server",
+        "{answer}"
+    );
+    assert!(answer["payload"]["data"]["__schema"].is_null(), "{answer}");
+
     // Everything else is served as before, `__typename` included.
     let data = server
         .gql(&token, "{ agents { name __typename } }", json!({}))
