@@ -248,6 +248,10 @@ pub struct ApiConfig {
     /// browser sends it (`scheme://host[:port]`). Empty: no CORS headers,
     /// so only same-origin pages and non-browser clients can call it.
     pub cors_origins: Vec<String>,
+    /// Whether `/graphiql` is served and the schema answers introspection
+    /// (`__schema`, `__type`). Off for a production API that only its own
+    /// clients call.
+    pub playground: bool,
 }
 
 impl ApiConfig {
@@ -278,6 +282,7 @@ impl Default for ApiConfig {
             keepalive_idle_secs: 60,
             max_connections: 16_384,
             cors_origins: Vec::new(),
+            playground: true,
         }
     }
 }
@@ -1660,6 +1665,15 @@ mod tests {
         let config = load_with(AGENT, &[]).unwrap();
         assert!(config.file.agent("demo").is_none());
         assert_eq!(config.file.default_agent_name(), "a");
+    }
+
+    #[test]
+    fn the_playground_is_on_by_default_and_takes_a_boolean() {
+        assert!(load_with("", &[]).unwrap().file.api.playground);
+        let config = load_with("[api]\nplayground = false\n", &[]).unwrap();
+        assert!(!config.file.api.playground);
+        let err = message(load_with("[api]\nplayground = \"no\"\n", &[]));
+        assert!(err.contains("playground"), "{err}");
     }
 
     #[test]

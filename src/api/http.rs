@@ -1,12 +1,11 @@
-//! GraphQL over HTTP, GraphiQL and the health probes.
+//! GraphQL over HTTP and the health probes.
 
-use async_graphql::http::{GraphiQLSource, WebSocketProtocols};
+use async_graphql::http::WebSocketProtocols;
 use axum::body::{Body, Bytes};
-use axum::extract::{FromRequestParts, Query, Request, State, WebSocketUpgrade};
+use axum::extract::{FromRequestParts, Request, State, WebSocketUpgrade};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
-use axum::response::{Html, IntoResponse, Response};
+use axum::response::{IntoResponse, Response};
 use http_body_util::BodyExt;
-use serde::Deserialize;
 
 use async_graphql::parser::types::OperationType;
 
@@ -260,34 +259,6 @@ fn unauthenticated() -> Response {
         .headers_mut()
         .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
     response
-}
-
-#[derive(Deserialize)]
-pub struct GraphiqlParams {
-    token: Option<String>,
-}
-
-/// GraphiQL, wired to `/graphql` for queries and subscriptions. With
-/// `?token=JWT` the token is sent on both.
-pub async fn graphiql(Query(params): Query<GraphiqlParams>) -> Response {
-    // A JWT is base64url segments and dots; anything else is not embedded.
-    let token = params.token.filter(|t| {
-        !t.is_empty()
-            && t.len() < 4096
-            && t.bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_' || b == b'.')
-    });
-    let bearer = token.map(|t| format!("Bearer {t}"));
-    let mut source = GraphiQLSource::build()
-        .endpoint("/graphql")
-        .subscription_endpoint("/graphql")
-        .title("Tether GraphiQL");
-    if let Some(bearer) = &bearer {
-        source = source
-            .header("Authorization", bearer)
-            .ws_connection_param("Authorization", bearer);
-    }
-    Html(source.finish()).into_response()
 }
 
 pub async fn healthz() -> &'static str {

@@ -8,10 +8,12 @@ pub mod events;
 mod fanout;
 pub mod feed;
 mod http;
+mod introspection;
 pub mod listener;
 pub mod mutation;
 mod operations;
 mod operators;
+mod playground;
 pub mod query;
 pub mod subscription;
 pub mod types;
@@ -70,7 +72,17 @@ pub struct AppState {
 pub fn schema(services: Services) -> TetherSchema {
     let limits = &services.config.api;
     let (query, mutation, subscription) = roots();
-    Schema::build(query, mutation, subscription)
+    let builder = Schema::build(query, mutation, subscription);
+    // Without the playground, the schema is not handed out either, and a
+    // request that asks for it is told so.
+    let builder = if limits.playground {
+        builder
+    } else {
+        builder
+            .disable_introspection()
+            .extension(introspection::RefuseIntrospection)
+    };
+    builder
         .limit_depth(limits.max_query_depth)
         .limit_complexity(limits.max_query_complexity)
         .extension(ErrorCodes)
@@ -165,11 +177,15 @@ impl axum::extract::FromRef<AppState> for Services {
 
 fn routes(state: AppState) -> Router {
     let cors = cors(&state.services.config.api);
-    let router = Router::new()
+    let mut router = Router::new()
         .route("/graphql", get(http::graphql_get).post(http::graphql_post))
-        .route("/graphiql", get(http::graphiql))
         .route("/healthz", get(http::healthz))
         .route("/readyz", get(operations::readyz));
+    if state.services.config.api.playground {
+        router = router
+            .route("/graphiql", get(playground::page))
+            .route("/graphiql/assets/{name}", get(playground::asset));
+    }
     let router = with_metrics(router, &state.services.config.metrics).with_state(state);
     // Outermost, so that every answer carries the headers, the 401s and
     // 413s the handlers give themselves included: a page cannot read an

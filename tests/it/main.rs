@@ -12,6 +12,7 @@ mod crash;
 mod deploy;
 mod downstream;
 mod fakes;
+mod graphiql;
 mod history_tail;
 mod http_limits;
 mod identity_providers;

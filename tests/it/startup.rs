@@ -52,7 +52,10 @@ async fn the_sample_configuration_serves_the_probes_and_graphiql() {
     let response = server.get("/graphiql").await;
     assert_eq!(response.status().as_u16(), 200);
     let page = response.text().await.unwrap();
-    assert!(page.contains("/graphql"), "GraphiQL points at the API");
+    assert!(
+        page.contains(r#""endpoint":"graphql""#),
+        "GraphiQL points at the API"
+    );
     let token = server.token("acme", "ada");
     let data = server
         .gql(&token, "{ agents { name } }", serde_json::json!({}))
