@@ -1,6 +1,7 @@
 //! GraphQL over HTTP and the health probes.
 
 use async_graphql::http::WebSocketProtocols;
+use async_graphql_axum::GraphQLResponse;
 use axum::body::{Body, Bytes};
 use axum::extract::{FromRequestParts, Request, State, WebSocketUpgrade};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
@@ -139,19 +140,22 @@ async fn execute(
         .get(header::ACCEPT)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.contains(GRAPHQL_RESPONSE));
-    // With the GraphQL-over-HTTP media type, a request refused before
-    // execution (no data at all) is a 400.
-    let status = if modern && response.data == async_graphql::Value::Null && response.is_err() {
-        StatusCode::BAD_REQUEST
-    } else {
-        StatusCode::OK
-    };
-    let content_type = if modern {
-        GRAPHQL_RESPONSE
-    } else {
-        "application/json"
-    };
-    json_response(status, content_type, &response)
+    let refused = response.data == async_graphql::Value::Null && response.is_err();
+    // async-graphql-axum's response: the body, its media type, and the
+    // headers and cache control resolvers set.
+    let mut answer = GraphQLResponse::from(response).into_response();
+    if !modern {
+        // A client that did not ask for the GraphQL-over-HTTP media type
+        // gets plain JSON, always with 200.
+        answer
+            .headers_mut()
+            .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    } else if refused {
+        // With it, a request refused before execution (no data at all) is
+        // a 400.
+        *answer.status_mut() = StatusCode::BAD_REQUEST;
+    }
+    answer
 }
 
 fn authorization(headers: &HeaderMap) -> Option<&str> {
