@@ -147,9 +147,10 @@ async fn execute(
     if !modern {
         // A client that did not ask for the GraphQL-over-HTTP media type
         // gets plain JSON, always with 200.
-        answer
-            .headers_mut()
-            .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        answer.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
     } else if refused {
         // With it, a request refused before execution (no data at all) is
         // a 400.
