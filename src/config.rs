@@ -1244,6 +1244,28 @@ fn identifier(key: &str, value: &str) -> Result<(), ConfigError> {
     }
 }
 
+/// The database URL schemes Tether speaks.
+pub const DATABASE_SCHEMES: &[&str] = &["sqlite:", "postgres://", "postgresql://"];
+
+/// Refuses a database URL of another scheme (a typo such as `postgress://`
+/// would otherwise be tried as a database), naming the accepted ones.
+fn database_scheme(url: &str) -> Result<(), ConfigError> {
+    if DATABASE_SCHEMES
+        .iter()
+        .any(|scheme| url.starts_with(scheme))
+    {
+        return Ok(());
+    }
+    let given = match url.split_once(':') {
+        Some((scheme, _)) => format!("the scheme {scheme:?} is not supported"),
+        None => "is not a URL".to_owned(),
+    };
+    Err(invalid(
+        "TETHER_DATABASE_URL",
+        format!("{given}; use sqlite://PATH, postgres:// or postgresql://"),
+    ))
+}
+
 /// A variable named by an explicit `*_env` key must be set.
 fn required_env(
     key: &str,
@@ -1280,12 +1302,7 @@ impl Config {
 
         let database_url =
             env("TETHER_DATABASE_URL").unwrap_or_else(|| DEFAULT_DATABASE_URL.to_owned());
-        if !database_url.starts_with("sqlite:") && !database_url.starts_with("postgres") {
-            return Err(invalid(
-                "TETHER_DATABASE_URL",
-                "must be a sqlite:// or postgres:// URL",
-            ));
-        }
+        database_scheme(&database_url)?;
         let listen_text = env("TETHER_LISTEN").unwrap_or_else(|| DEFAULT_LISTEN.to_owned());
         let listen: SocketAddr = listen_text.parse().map_err(|_| {
             invalid(
@@ -1457,6 +1474,23 @@ mod tests {
                 .agent(config.file.default_agent_name())
                 .is_some()
         );
+    }
+
+    #[test]
+    fn database_urls_of_other_schemes_are_refused_with_the_accepted_ones() {
+        let err = message(load_with(
+            AGENT,
+            &[("TETHER_DATABASE_URL", "postgress://u:pw@h/db")],
+        ));
+        assert!(err.contains("\"postgress\""), "{err}");
+        assert!(
+            err.contains("postgres://") && err.contains("sqlite://"),
+            "{err}"
+        );
+        assert!(!err.contains("pw"), "{err}");
+        for url in ["sqlite::memory:", "postgres://h/db", "postgresql://h/db"] {
+            assert!(database_scheme(url).is_ok(), "{url} is accepted");
+        }
     }
 
     #[test]

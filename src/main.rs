@@ -65,6 +65,23 @@ enum Command {
     Schema,
 }
 
+/// An error and its causes on one line, each cause once: a cause whose
+/// text its wrapper already quotes is not repeated.
+fn one_line(err: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in err.chain() {
+        let text = cause.to_string();
+        if line.contains(&text) {
+            continue;
+        }
+        if !line.is_empty() {
+            line.push_str(": ");
+        }
+        line.push_str(&text);
+    }
+    line
+}
+
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -111,7 +128,7 @@ fn main() -> ExitCode {
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(err) => {
-            eprintln!("tether: {err:#}");
+            eprintln!("tether: {}", one_line(&err));
             ExitCode::FAILURE
         }
     }

@@ -5,6 +5,7 @@ mod support;
 
 mod arguments;
 mod auth;
+mod cli;
 mod connections;
 mod conversations;
 mod cors;

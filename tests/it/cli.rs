@@ -1,0 +1,126 @@
+//! The command line as a new user meets it: database failures reported at
+//! once with their cause.
+
+use std::process::{Output, Stdio};
+use std::time::{Duration, Instant};
+
+use tokio::process::Command;
+
+use crate::support::SECRET;
+
+/// Longer than a start-up that fails at once takes, far shorter than the
+/// pool's 30 s acquire timeout that a failed connect used to wait out.
+const FAIL_FAST: Duration = Duration::from_secs(10);
+
+/// The binary with a clean environment and a folder of its own to work in.
+fn tether(dir: &std::path::Path) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_tether"));
+    command
+        .current_dir(dir)
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .kill_on_drop(true);
+    command
+}
+
+fn scratch() -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("tether-cli-{}", uuid::Uuid::now_v7().simple()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+/// Runs to its end, within `limit`; returns the output and how long it took.
+async fn run_within(command: &mut Command, limit: Duration) -> (Output, Duration) {
+    let started = Instant::now();
+    let output = tokio::time::timeout(limit, command.output())
+        .await
+        .unwrap_or_else(|_| panic!("tether did not exit within {limit:?}"))
+        .unwrap();
+    (output, started.elapsed())
+}
+
+fn stderr(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+/// `tether SUBCOMMAND` on this database URL: it must fail, and within
+/// `FAIL_FAST`; returns its stderr.
+async fn refused_at_once(subcommand: &str, database_url: &str) -> String {
+    let (output, took) = run_within(
+        tether(&scratch())
+            .arg(subcommand)
+            .env("TETHER_JWT_SECRET", SECRET)
+            .env("TETHER_LISTEN", "127.0.0.1:0")
+            .env("TETHER_DATABASE_URL", database_url),
+        FAIL_FAST,
+    )
+    .await;
+    let stderr = stderr(&output);
+    assert!(!output.status.success(), "{subcommand}: {stderr}");
+    assert!(took < FAIL_FAST, "{subcommand} took {took:?}");
+    // One line: the error, its causes each once.
+    assert_eq!(stderr.lines().count(), 1, "{subcommand}: {stderr}");
+    stderr
+}
+
+#[tokio::test]
+async fn an_unreachable_database_is_reported_at_once_with_its_cause_and_address() {
+    for subcommand in ["serve", "migrate"] {
+        let stderr = refused_at_once(
+            subcommand,
+            "postgres://postgres:hunter2-db-password@127.0.0.1:1/x",
+        )
+        .await;
+        assert!(
+            stderr.contains("connection refused at 127.0.0.1:1"),
+            "{subcommand}: {stderr}"
+        );
+        // The URL, its password removed.
+        assert!(
+            stderr.contains("postgres://postgres@127.0.0.1:1/x"),
+            "{subcommand}: {stderr}"
+        );
+        assert!(!stderr.contains("hunter2"), "{subcommand}: {stderr}");
+        assert_eq!(
+            stderr.matches("connection refused").count(),
+            1,
+            "said once: {stderr}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_database_url_scheme_typo_is_refused_with_the_accepted_schemes() {
+    let stderr = refused_at_once(
+        "serve",
+        "postgress://postgres:hunter2-db-password@127.0.0.1:5432/test",
+    )
+    .await;
+    assert!(stderr.contains("\"postgress\""), "{stderr}");
+    for scheme in ["sqlite://", "postgres://", "postgresql://"] {
+        assert!(stderr.contains(scheme), "{scheme}: {stderr}");
+    }
+    assert!(!stderr.contains("hunter2"), "{stderr}");
+}
+
+#[tokio::test]
+async fn an_sqlite_file_in_a_missing_folder_is_named() {
+    for subcommand in ["serve", "migrate"] {
+        let stderr = refused_at_once(subcommand, "sqlite:///no/such/dir/t.db").await;
+        assert!(
+            stderr.contains("/no/such/dir/t.db"),
+            "{subcommand}: {stderr}"
+        );
+        assert!(
+            stderr.contains("the folder /no/such/dir does not exist"),
+            "{subcommand}: {stderr}"
+        );
+        assert_eq!(
+            stderr.matches("does not exist").count(),
+            1,
+            "said once: {stderr}"
+        );
+    }
+}
