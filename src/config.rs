@@ -738,7 +738,7 @@ impl FileConfig {
     pub fn parse(path: &Path, text: &str) -> Result<FileConfig, ConfigError> {
         toml::from_str(text).map_err(|e| ConfigError::Parse {
             path: path.to_owned(),
-            message: e.to_string(),
+            message: in_toml_terms(&e),
         })
     }
 
@@ -1244,6 +1244,60 @@ fn identifier(key: &str, value: &str) -> Result<(), ConfigError> {
     }
 }
 
+/// Serde's words for the types a key expected (Rust's: `f64`, `u32`,
+/// `struct AgentConfig`, `a sequence`) and for the value it found, and the
+/// TOML words a configuration's author knows them by.
+static TOML_TERMS: std::sync::LazyLock<[(regex::Regex, &str); 8]> =
+    std::sync::LazyLock::new(|| {
+        [
+            (r"expected f(?:32|64)\b", "expected a number"),
+            (
+                r"expected u(?:8|16|32|64|128|size)\b",
+                "expected a non-negative integer",
+            ),
+            (
+                r"expected i(?:8|16|32|64|128|size)\b",
+                "expected an integer",
+            ),
+            (r"expected a borrowed string\b", "expected a string"),
+            (r"expected (?:a sequence|a tuple)\b", "expected an array"),
+            (
+                r"expected (?:a map|struct \w+|a \w+ table)\b",
+                "expected a table",
+            ),
+            (
+                r"invalid type: (?:map|newtype struct)\b",
+                "invalid type: table",
+            ),
+            (r"invalid type: sequence\b", "invalid type: array"),
+        ]
+        .map(|(pattern, words)| {
+            let pattern = regex::Regex::new(pattern).expect("the patterns are valid");
+            (pattern, words)
+        })
+    });
+
+/// A TOML error as the parser renders it (line, column, the line quoted),
+/// its message in TOML's terms: "expected a number", not "expected f64".
+fn in_toml_terms(err: &toml::de::Error) -> String {
+    let rendered = err.to_string();
+    let message = err.message();
+    let mut reworded = message.replace("floating point `", "number `");
+    for (pattern, words) in TOML_TERMS.iter() {
+        reworded = pattern.replace_all(&reworded, *words).into_owned();
+    }
+    // The message comes after the quoted line, which is the author's and
+    // stays as written.
+    match rendered.rfind(message) {
+        Some(at) => format!(
+            "{}{reworded}{}",
+            &rendered[..at],
+            &rendered[at + message.len()..]
+        ),
+        None => rendered,
+    }
+}
+
 /// The database URL schemes Tether speaks.
 pub const DATABASE_SCHEMES: &[&str] = &["sqlite:", "postgres://", "postgresql://"];
 
@@ -1474,6 +1528,32 @@ mod tests {
                 .agent(config.file.default_agent_name())
                 .is_some()
         );
+    }
+
+    #[test]
+    fn type_errors_speak_toml_not_rust() {
+        let cases = [
+            ("[runtime]\nlease_secs = \"soon\"\n", "expected a number"),
+            (
+                "[runtime]\ncrash_retry_budget = 1.5\n",
+                "invalid type: number `1.5`, expected a non-negative integer",
+            ),
+            (
+                "[runtime]\nlease_secs = [1]\n",
+                "invalid type: array, expected a number",
+            ),
+            ("[policy]\nallow_always = \"yes\"\n", "expected a boolean"),
+            ("agents = 3\n", "expected an array"),
+            ("runtime = 3\n", "expected a table"),
+        ];
+        for (toml, expected) in cases {
+            let err = message(load_with(toml, &[]));
+            assert!(err.contains(expected), "{toml}: {err}");
+            assert!(err.contains("line "), "the line is kept: {err}");
+            for rust in ["f64", "u32", "u64", "struct ", "sequence", "map,"] {
+                assert!(!err.contains(rust), "{toml}: {err}");
+            }
+        }
     }
 
     #[test]

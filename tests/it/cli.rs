@@ -1,5 +1,6 @@
 //! The command line as a new user meets it: database failures reported at
-//! once with their cause.
+//! once with their cause, and logs without colour codes when stderr is not
+//! a terminal.
 
 use std::process::{Output, Stdio};
 use std::time::{Duration, Instant};
@@ -39,6 +40,10 @@ async fn run_within(command: &mut Command, limit: Duration) -> (Output, Duration
         .unwrap_or_else(|_| panic!("tether did not exit within {limit:?}"))
         .unwrap();
     (output, started.elapsed())
+}
+
+async fn run(command: &mut Command) -> Output {
+    run_within(command, Duration::from_secs(60)).await.0
 }
 
 fn stderr(output: &Output) -> String {
@@ -123,4 +128,19 @@ async fn an_sqlite_file_in_a_missing_folder_is_named() {
             "said once: {stderr}"
         );
     }
+}
+
+#[tokio::test]
+async fn logs_carry_no_colour_codes_when_stderr_is_not_a_terminal() {
+    let dir = scratch();
+    // `token` without a secret logs at info where its generated secret is.
+    let output = run(tether(&dir)
+        .args(["token", "--tenant", "acme", "--sub", "ada"])
+        .env("RUST_LOG", "info")
+        .env("TETHER_DATABASE_URL", "sqlite://t.db?mode=rwc"))
+    .await;
+    let err = stderr(&output);
+    assert!(output.status.success(), "{err}");
+    assert!(err.contains("INFO"), "a log line was written: {err}");
+    assert!(!err.contains('\u{1b}'), "{err:?}");
 }
