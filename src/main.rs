@@ -3,7 +3,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use tether::config::Config;
+use tether::config::{Config, SecretSource};
 use tether::server::{self, Role};
 use tracing_subscriber::EnvFilter;
 
@@ -54,16 +54,36 @@ enum Command {
     Migrate,
     /// Print a JWT signed with the configured secret (or the generated one).
     Token {
-        #[arg(long)]
+        /// The tenant the token acts in.
+        #[arg(long, value_parser = non_empty)]
         tenant: String,
-        #[arg(long)]
+        /// The principal (the token's subject).
+        #[arg(long, value_parser = non_empty)]
         sub: String,
         /// How long the token is valid, for example 30m, 1h, 7d.
-        #[arg(long, default_value = "1h", value_parser = humantime::parse_duration)]
+        #[arg(long, default_value = "1h", value_parser = ttl)]
         ttl: Duration,
     },
     /// Print the GraphQL schema (SDL), as committed in schema.graphql.
     Schema,
+}
+
+/// A `--tenant` or `--sub`: a token with an empty one is refused by every
+/// server.
+fn non_empty(value: &str) -> Result<String, String> {
+    if value.trim().is_empty() {
+        return Err("must not be empty".to_owned());
+    }
+    Ok(value.to_owned())
+}
+
+/// A `--ttl`: a duration such as 30m, 1h or 7d, longer than zero.
+fn ttl(value: &str) -> Result<Duration, String> {
+    let ttl = humantime::parse_duration(value).map_err(|err| err.to_string())?;
+    if ttl < Duration::from_secs(1) {
+        return Err("must be at least one second: a token valid for no time is refused".to_owned());
+    }
+    Ok(ttl)
 }
 
 /// An error and its causes on one line, each cause once: a cause whose
@@ -121,6 +141,14 @@ fn main() -> ExitCode {
             Command::Serve { role } => server::serve(config, role).await,
             Command::Migrate => server::open_store(&config).await.map(|_| ()),
             Command::Token { tenant, sub, ttl } => {
+                if let SecretSource::Generated(path) = config.secret_source()? {
+                    eprintln!(
+                        "tether: warning: TETHER_JWT_SECRET is not set: signing with the \
+                         development secret generated in {}; a server with another secret \
+                         refuses this token",
+                        path.display()
+                    );
+                }
                 let auth = server::authenticator(&config)?;
                 println!("{}", auth.mint(&tenant, &sub, ttl)?);
                 Ok(())

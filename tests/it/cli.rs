@@ -1,6 +1,6 @@
 //! The command line as a new user meets it: database failures reported at
-//! once with their cause, and logs without colour codes when stderr is not
-//! a terminal.
+//! once with their cause, `tether token`'s refusals and warning, and logs
+//! without colour codes when stderr is not a terminal.
 
 use std::process::{Output, Stdio};
 use std::time::{Duration, Instant};
@@ -48,6 +48,10 @@ async fn run(command: &mut Command) -> Output {
 
 fn stderr(output: &Output) -> String {
     String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+fn stdout(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stdout).into_owned()
 }
 
 /// `tether SUBCOMMAND` on this database URL: it must fail, and within
@@ -127,6 +131,65 @@ async fn an_sqlite_file_in_a_missing_folder_is_named() {
             1,
             "said once: {stderr}"
         );
+    }
+}
+
+#[tokio::test]
+async fn token_warns_when_it_signs_with_the_generated_secret() {
+    let dir = scratch();
+    let output = run(tether(&dir)
+        .args(["token", "--tenant", "acme", "--sub", "ada"])
+        .env("TETHER_DATABASE_URL", "sqlite://t.db?mode=rwc"))
+    .await;
+    let (out, err) = (stdout(&output), stderr(&output));
+    assert!(output.status.success(), "{err}");
+    assert_eq!(out.trim().split('.').count(), 3, "a JWT: {out}");
+    assert!(err.contains("warning"), "{err}");
+    assert!(err.contains("TETHER_JWT_SECRET is not set"), "{err}");
+    assert!(err.contains("t.db.jwt-secret"), "{err}");
+
+    let output = run(tether(&dir)
+        .args(["token", "--tenant", "acme", "--sub", "ada"])
+        .env("TETHER_JWT_SECRET", SECRET)
+        .env("TETHER_DATABASE_URL", "sqlite://t.db?mode=rwc"))
+    .await;
+    assert!(output.status.success(), "{}", stderr(&output));
+    assert!(
+        !stderr(&output).contains("warning"),
+        "a configured secret is no cause for a warning: {}",
+        stderr(&output)
+    );
+}
+
+#[tokio::test]
+async fn token_refuses_an_empty_tenant_or_subject_and_a_zero_ttl() {
+    let dir = scratch();
+    for (args, flag, why) in [
+        (
+            ["--tenant", "", "--sub", "ada", "--ttl", "1h"],
+            "--tenant",
+            "must not be empty",
+        ),
+        (
+            ["--tenant", "acme", "--sub", " ", "--ttl", "1h"],
+            "--sub",
+            "must not be empty",
+        ),
+        (
+            ["--tenant", "acme", "--sub", "ada", "--ttl", "0s"],
+            "--ttl",
+            "at least one second",
+        ),
+    ] {
+        let output = run(tether(&dir)
+            .arg("token")
+            .args(args)
+            .env("TETHER_JWT_SECRET", SECRET))
+        .await;
+        let err = stderr(&output);
+        assert!(!output.status.success(), "{args:?}");
+        assert!(stdout(&output).is_empty(), "no token printed: {args:?}");
+        assert!(err.contains(flag) && err.contains(why), "{args:?}: {err}");
     }
 }
 
