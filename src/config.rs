@@ -1451,6 +1451,63 @@ impl Config {
     }
 }
 
+impl ProviderKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ProviderKind::Anthropic => "anthropic",
+            ProviderKind::Openai => "openai",
+            ProviderKind::Scripted => "scripted",
+        }
+    }
+}
+
+impl Config {
+    /// What `tether config check` prints of a valid configuration: its
+    /// agents (provider, model, tools) and its tools. No secret, and of a
+    /// tool's URL only its origin.
+    pub fn describe(&self) -> String {
+        use std::fmt::Write as _;
+        let file = &self.file;
+        let mut out = String::from("configuration is valid\n");
+        let _ = writeln!(out, "agents ({}):", file.agents.len());
+        for agent in &file.agents {
+            let default = if agent.name == file.default_agent_name() {
+                " (default)"
+            } else {
+                ""
+            };
+            let tools = if agent.tools.is_empty() {
+                "none".to_owned()
+            } else {
+                agent.tools.join(", ")
+            };
+            let _ = writeln!(
+                out,
+                "  {}{default}: provider {}, model {}; tools: {tools}",
+                agent.name,
+                agent.provider.as_str(),
+                agent.model_name(),
+            );
+        }
+        let _ = writeln!(out, "tools ({}):", BUILTIN_TOOLS.len() + file.tools.len());
+        for name in BUILTIN_TOOLS {
+            let _ = writeln!(out, "  {name}: built in");
+        }
+        for tool in &file.tools {
+            let target = match &tool.http {
+                Some(http) => format!("{} {}", http.method, crate::redact::origin(&http.url)),
+                None => "no target".to_owned(),
+            };
+            let risk = match &tool.risk {
+                Some(risk) => format!("; risk {risk} (needs approval)"),
+                None => String::new(),
+            };
+            let _ = writeln!(out, "  {}: {target}{risk}", tool.name);
+        }
+        out
+    }
+}
+
 impl Config {
     /// The database file of an SQLite URL; `None` for in-memory databases,
     /// URI file names and other URLs.

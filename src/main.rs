@@ -39,14 +39,54 @@ fn give_back_freed_memory() {
 #[derive(Parser)]
 #[command(name = "tether", version, about = "A durable agent-run server")]
 struct Cli {
+    /// The TOML configuration file [default: ./tether.toml when it exists,
+    /// else the built-in demo agent].
+    #[arg(long, global = true, env = "TETHER_CONFIG", value_name = "PATH")]
+    config: Option<String>,
+    /// Where the API listens [default: 127.0.0.1:8080].
+    #[arg(
+        long,
+        global = true,
+        env = "TETHER_LISTEN",
+        value_name = "ADDRESS:PORT"
+    )]
+    listen: Option<String>,
+    /// The database: sqlite://PATH (embedded), postgres:// or postgresql://
+    /// [default: sqlite://tether.db?mode=rwc].
+    // The value is not shown in --help: it may carry a password.
+    #[arg(
+        long,
+        global = true,
+        env = "TETHER_DATABASE_URL",
+        value_name = "URL",
+        hide_env_values = true
+    )]
+    database_url: Option<String>,
     #[command(subcommand)]
     command: Option<Command>,
 }
 
+impl Cli {
+    /// The process environment, with the values of these flags (which clap
+    /// filled from their variables when the flags were not given) in place
+    /// of their variables: a flag and its variable mean the same.
+    fn env(&self) -> impl Fn(&str) -> Option<String> + '_ {
+        move |name| match name {
+            "TETHER_CONFIG" => self.config.clone(),
+            "TETHER_LISTEN" => self.listen.clone(),
+            "TETHER_DATABASE_URL" => self.database_url.clone(),
+            _ => std::env::var(name).ok(),
+        }
+    }
+}
+
 #[derive(Subcommand)]
 enum Command {
-    /// Migrate the database, then serve the API and run workers.
+    /// Migrate the database, then serve the API and run workers (the
+    /// default).
     Serve {
+        /// What this process runs: the API and the workers, or one of them
+        /// (for split deployments).
         #[arg(long, value_enum, default_value = "all")]
         role: Role,
     },
@@ -66,6 +106,18 @@ enum Command {
     },
     /// Print the GraphQL schema (SDL), as committed in schema.graphql.
     Schema,
+    /// Work with the configuration file.
+    Config {
+        #[command(subcommand)]
+        action: ConfigAction,
+    },
+}
+
+#[derive(Subcommand)]
+enum ConfigAction {
+    /// Validate the configuration (the file, with the environment it names)
+    /// and list the agents and tools it defines.
+    Check,
 }
 
 /// A `--tenant` or `--sub`: a token with an empty one is refused by every
@@ -112,13 +164,16 @@ fn main() -> ExitCode {
         // Colour codes are noise in a file, a pipe or a journal.
         .with_ansi(std::io::stderr().is_terminal())
         .init();
-    let cli = Cli::parse();
-    let command = cli.command.unwrap_or(Command::Serve { role: Role::All });
+    let mut cli = Cli::parse();
+    let command = cli
+        .command
+        .take()
+        .unwrap_or(Command::Serve { role: Role::All });
     if let Command::Schema = command {
         print!("{}", tether::api::sdl());
         return ExitCode::SUCCESS;
     }
-    let config = match Config::from_env() {
+    let config = match Config::load(&cli.env()) {
         Ok(config) => config,
         Err(err) => {
             eprintln!("tether: {err}");
@@ -151,6 +206,12 @@ fn main() -> ExitCode {
                 }
                 let auth = server::authenticator(&config)?;
                 println!("{}", auth.mint(&tenant, &sub, ttl)?);
+                Ok(())
+            }
+            Command::Config {
+                action: ConfigAction::Check,
+            } => {
+                print!("{}", config.describe());
                 Ok(())
             }
             Command::Schema => Ok(()),

@@ -1,10 +1,12 @@
 //! The command line as a new user meets it: database failures reported at
-//! once with their cause, `tether token`'s refusals and warning, and logs
-//! without colour codes when stderr is not a terminal.
+//! once with their cause, `tether token`'s refusals and warning, the global
+//! flags and their variables, `tether config check`, and logs without
+//! colour codes when stderr is not a terminal.
 
 use std::process::{Output, Stdio};
 use std::time::{Duration, Instant};
 
+use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Command;
 
 use crate::support::SECRET;
@@ -191,6 +193,294 @@ async fn token_refuses_an_empty_tenant_or_subject_and_a_zero_ttl() {
         assert!(stdout(&output).is_empty(), "no token printed: {args:?}");
         assert!(err.contains(flag) && err.contains(why), "{args:?}: {err}");
     }
+}
+
+#[tokio::test]
+async fn help_shows_every_flag_with_its_variable_and_every_subcommand() {
+    let dir = scratch();
+    let output = run(tether(&dir).arg("--help").env(
+        "TETHER_DATABASE_URL",
+        "postgres://u:hunter2-db-password@h/db",
+    ))
+    .await;
+    let help = stdout(&output);
+    assert!(output.status.success(), "{}", stderr(&output));
+    for shown in [
+        "--config <PATH>",
+        "[env: TETHER_CONFIG",
+        "--listen <ADDRESS:PORT>",
+        "[env: TETHER_LISTEN",
+        "--database-url <URL>",
+        "[env: TETHER_DATABASE_URL]",
+        "serve",
+        "migrate",
+        "token",
+        "schema",
+        "config",
+    ] {
+        assert!(help.contains(shown), "{shown}: {help}");
+    }
+    assert!(!help.contains("hunter2"), "{help}");
+    // Every subcommand and flag says what it is for.
+    for subcommand in [
+        vec![],
+        vec!["serve"],
+        vec!["migrate"],
+        vec!["token"],
+        vec!["config"],
+        vec!["config", "check"],
+    ] {
+        let output = run(tether(&dir).args(&subcommand).arg("-h")).await;
+        let help = stdout(&output);
+        assert!(output.status.success(), "{subcommand:?}");
+        assert!(help.contains("--config"), "global flags are shown: {help}");
+        assert_eq!(
+            undescribed(&help),
+            Vec::<String>::new(),
+            "{subcommand:?}: {help}"
+        );
+    }
+}
+
+/// The entries of a short help's "Commands:" and "Options:" lists that have
+/// no text after their name.
+fn undescribed(help: &str) -> Vec<String> {
+    let mut listing = false;
+    let mut missing = Vec::new();
+    for line in help.lines() {
+        if line.ends_with(':') && !line.starts_with(' ') {
+            listing = line == "Commands:" || line == "Options:";
+            continue;
+        }
+        // Indented deeper: a wrapped description.
+        if !listing || line.trim().is_empty() || line.starts_with("          ") {
+            continue;
+        }
+        let entry = line.trim();
+        let described = entry
+            .split_once("  ")
+            .is_some_and(|(_, text)| !text.trim().is_empty());
+        if !described {
+            missing.push(entry.to_owned());
+        }
+    }
+    missing
+}
+
+/// Starts `serve`; once it prints its address, asks it for its agents'
+/// names and stops it. Its stderr if it exited instead.
+async fn agents_served(command: &mut Command) -> Result<Vec<String>, String> {
+    let mut child = command
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    let line = tokio::time::timeout(Duration::from_secs(60), lines.next_line())
+        .await
+        .expect("tether prints its address or exits within a minute")
+        .unwrap();
+    let Some(line) = line else {
+        let output = child.wait_with_output().await.unwrap();
+        return Err(stderr(&output));
+    };
+    let base = line
+        .strip_prefix("tether listening on ")
+        .unwrap_or_else(|| panic!("{line}"));
+    assert!(!base.ends_with(":8080"), "the port asked for: {base}");
+    let token = tether::api::auth::Authenticator::new(SECRET)
+        .unwrap()
+        .mint("acme", "ada", Duration::from_secs(60))
+        .unwrap();
+    let body: serde_json::Value = crate::support::http_client()
+        .post(format!("{base}/graphql"))
+        .bearer_auth(token)
+        .json(&serde_json::json!({ "query": "{ agents { name } }" }))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    child.kill().await.unwrap();
+    let agents = body["data"]["agents"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{body}"));
+    Ok(agents
+        .iter()
+        .map(|agent| agent["name"].as_str().unwrap().to_owned())
+        .collect())
+}
+
+#[tokio::test]
+async fn flags_before_or_after_serve_mean_what_their_variables_mean() {
+    let dir = scratch();
+    let config = dir.join("flags.toml");
+    std::fs::write(
+        &config,
+        "[[agents]]\nname = \"flagged\"\nprovider = \"scripted\"\n",
+    )
+    .unwrap();
+    let config = config.display().to_string();
+    let url = |name: &str| format!("sqlite://{}?mode=rwc", dir.join(name).display());
+    let flags = |db: &str| {
+        [
+            "--config".to_owned(),
+            config.clone(),
+            "--listen".to_owned(),
+            "127.0.0.1:0".to_owned(),
+            "--database-url".to_owned(),
+            url(db),
+        ]
+    };
+    let mut after = tether(&dir);
+    after.arg("serve").args(flags("after.db"));
+    let mut before = tether(&dir);
+    before.args(flags("before.db")).arg("serve");
+    let mut variables = tether(&dir);
+    variables
+        .arg("serve")
+        .env("TETHER_CONFIG", &config)
+        .env("TETHER_LISTEN", "127.0.0.1:0")
+        .env("TETHER_DATABASE_URL", url("variables.db"));
+    // Flags win over their variables.
+    let mut both = tether(&dir);
+    both.args(flags("flags.db"))
+        .arg("serve")
+        .env("TETHER_CONFIG", "/no/such/tether.toml")
+        .env("TETHER_LISTEN", "not an address")
+        .env("TETHER_DATABASE_URL", url("ignored.db"));
+    for (what, mut command, db) in [
+        ("flags after serve", after, "after.db"),
+        ("flags before serve", before, "before.db"),
+        ("variables", variables, "variables.db"),
+        ("flags and other variables", both, "flags.db"),
+    ] {
+        let agents = agents_served(command.env("TETHER_JWT_SECRET", SECRET))
+            .await
+            .unwrap_or_else(|stderr| panic!("{what}: {stderr}"));
+        assert_eq!(agents, ["flagged"], "{what}: the configuration given");
+        assert!(dir.join(db).exists(), "{what}: the database given");
+    }
+    assert!(!dir.join("ignored.db").exists());
+
+    // A flag's value is checked as its variable's is.
+    let refused = agents_served(
+        tether(&dir)
+            .args(["--listen", "not an address", "serve"])
+            .env("TETHER_DATABASE_URL", url("env.db"))
+            .env("TETHER_JWT_SECRET", SECRET),
+    )
+    .await
+    .unwrap_err();
+    assert!(
+        refused.contains("TETHER_LISTEN") && refused.contains("not an address"),
+        "{refused}"
+    );
+    let refused = agents_served(
+        tether(&dir)
+            .args(["serve", "--config", "/no/such/tether.toml"])
+            .env("TETHER_DATABASE_URL", url("env.db"))
+            .env("TETHER_JWT_SECRET", SECRET),
+    )
+    .await
+    .unwrap_err();
+    assert!(refused.contains("/no/such/tether.toml"), "{refused}");
+}
+
+const CHECKED: &str = r#"
+default_agent = "assistant"
+
+[[agents]]
+name = "assistant"
+provider = "anthropic"
+model = "claude-sonnet-4-5"
+api_key_env = "CHECK_ANTHROPIC_KEY"
+tools = ["ask_questions", "publish_post"]
+
+[[agents]]
+name = "plain"
+provider = "scripted"
+
+[[tools]]
+name = "publish_post"
+description = "Publish a post"
+input_schema = { type = "object" }
+risk = "publish"
+http = { method = "POST", url = "http://127.0.0.1:9200/publish?token=hunter2-tool-secret" }
+"#;
+
+#[tokio::test]
+async fn config_check_lists_the_agents_and_tools_of_a_valid_file() {
+    let dir = scratch();
+    let path = dir.join("checked.toml");
+    std::fs::write(&path, CHECKED).unwrap();
+    let output = run(tether(&dir)
+        .args(["config", "check", "--config"])
+        .arg(&path)
+        .env("CHECK_ANTHROPIC_KEY", "sk-ant-hunter2-secret-key"))
+    .await;
+    let out = stdout(&output);
+    assert!(output.status.success(), "{}", stderr(&output));
+    for listed in [
+        "assistant (default): provider anthropic, model claude-sonnet-4-5; tools: ask_questions, publish_post",
+        "plain: provider scripted, model scripted; tools: none",
+        "publish_post: POST http://127.0.0.1:9200; risk publish",
+        "ask_questions: built in",
+    ] {
+        assert!(out.contains(listed), "{listed}: {out}");
+    }
+    assert!(!out.contains("hunter2"), "no secret: {out}");
+
+    // The same through the variable, the flag before the subcommands.
+    let output = run(tether(&dir)
+        .arg("--config")
+        .arg(&path)
+        .args(["config", "check"])
+        .env("CHECK_ANTHROPIC_KEY", "sk-ant-hunter2-secret-key"))
+    .await;
+    assert!(output.status.success(), "{}", stderr(&output));
+    let output = run(tether(&dir)
+        .args(["config", "check"])
+        .env("TETHER_CONFIG", &path)
+        .env("CHECK_ANTHROPIC_KEY", "sk-ant-hunter2-secret-key"))
+    .await;
+    assert!(output.status.success(), "{}", stderr(&output));
+    assert!(stdout(&output).contains("assistant (default)"));
+}
+
+#[tokio::test]
+async fn config_check_refuses_a_bad_file_with_its_error_in_toml_terms() {
+    let dir = scratch();
+    // A variable the file names but the environment lacks.
+    let path = dir.join("unset.toml");
+    std::fs::write(&path, CHECKED).unwrap();
+    let output = run(tether(&dir)
+        .args(["config", "check", "--config"])
+        .arg(&path))
+    .await;
+    let err = stderr(&output);
+    assert!(!output.status.success());
+    assert!(
+        err.contains("agents[0].api_key_env") && err.contains("CHECK_ANTHROPIC_KEY"),
+        "{err}"
+    );
+    assert!(stdout(&output).is_empty(), "{}", stdout(&output));
+
+    // A value of the wrong type, in the file's own words.
+    let path = dir.join("typed.toml");
+    std::fs::write(&path, "[runtime]\nlease_secs = \"soon\"\n").unwrap();
+    let output = run(tether(&dir)
+        .args(["config", "check", "--config"])
+        .arg(&path))
+    .await;
+    let err = stderr(&output);
+    assert!(!output.status.success());
+    assert!(err.contains("typed.toml"), "{err}");
+    assert!(err.contains("line 2"), "{err}");
+    assert!(err.contains("lease_secs"), "{err}");
+    assert!(err.contains("expected a number"), "{err}");
+    assert!(!err.contains("f64"), "{err}");
 }
 
 #[tokio::test]
