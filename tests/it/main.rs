@@ -36,4 +36,5 @@ mod subscriptions;
 mod tool_crash;
 mod tools;
 mod websocket_abuse;
+mod websocket_close;
 mod workers;
