@@ -9,6 +9,7 @@ mod fanout;
 pub mod feed;
 mod http;
 pub mod listener;
+mod literals;
 pub mod mutation;
 pub mod query;
 pub mod subscription;
@@ -28,6 +29,7 @@ use auth::Authenticator;
 use context::{Services, Snapshots};
 use cost::QueryCost;
 use error::ErrorCodes;
+use literals::EnumLiterals;
 use mutation::Mutation;
 use query::Query;
 use subscription::Subscription;
@@ -52,6 +54,7 @@ pub fn schema(services: Services) -> TetherSchema {
         .limit_depth(limits.max_query_depth)
         .limit_complexity(limits.max_query_complexity)
         .extension(ErrorCodes)
+        .extension(EnumLiterals)
         .extension(Snapshots(services.store.clone()))
         .extension(QueryCost {
             max_aliases: limits.max_aliases,
