@@ -186,9 +186,11 @@ async fn every_refusal_gives_its_reason_and_logs_it_at_debug() {
             )),
             "missing claim tenant",
         ),
-        // What `tether token` would have made without the audience.
         (
-            Some(format!("Bearer {}", server.token("acme", "ada"))),
+            Some(bearer(
+                json!({"sub": "ada", "tenant": "acme", "exp": exp, "iss": "https://idp.test"}),
+                SECRET,
+            )),
             "missing claim aud",
         ),
     ];
