@@ -911,7 +911,7 @@ impl FileConfig {
     pub fn parse(path: &Path, text: &str) -> Result<FileConfig, ConfigError> {
         toml::from_str(text).map_err(|e| ConfigError::Parse {
             path: path.to_owned(),
-            message: e.to_string(),
+            message: in_toml_terms(&e),
         })
     }
 
@@ -1419,6 +1419,82 @@ fn identifier(key: &str, value: &str) -> Result<(), ConfigError> {
     }
 }
 
+/// Serde's words for the types a key expected (Rust's: `f64`, `u32`,
+/// `struct AgentConfig`, `a sequence`) and for the value it found, and the
+/// TOML words a configuration's author knows them by.
+static TOML_TERMS: std::sync::LazyLock<[(regex::Regex, &str); 8]> =
+    std::sync::LazyLock::new(|| {
+        [
+            (r"expected f(?:32|64)\b", "expected a number"),
+            (
+                r"expected u(?:8|16|32|64|128|size)\b",
+                "expected a non-negative integer",
+            ),
+            (
+                r"expected i(?:8|16|32|64|128|size)\b",
+                "expected an integer",
+            ),
+            (r"expected a borrowed string\b", "expected a string"),
+            (r"expected (?:a sequence|a tuple)\b", "expected an array"),
+            (
+                r"expected (?:a map|struct \w+|a \w+ table)\b",
+                "expected a table",
+            ),
+            (
+                r"invalid type: (?:map|newtype struct)\b",
+                "invalid type: table",
+            ),
+            (r"invalid type: sequence\b", "invalid type: array"),
+        ]
+        .map(|(pattern, words)| {
+            let pattern = regex::Regex::new(pattern).expect("the patterns are valid");
+            (pattern, words)
+        })
+    });
+
+/// A TOML error as the parser renders it (line, column, the line quoted),
+/// its message in TOML's terms: "expected a number", not "expected f64".
+fn in_toml_terms(err: &toml::de::Error) -> String {
+    let rendered = err.to_string();
+    let message = err.message();
+    let mut reworded = message.replace("floating point `", "number `");
+    for (pattern, words) in TOML_TERMS.iter() {
+        reworded = pattern.replace_all(&reworded, *words).into_owned();
+    }
+    // The message comes after the quoted line, which is the author's and
+    // stays as written.
+    match rendered.rfind(message) {
+        Some(at) => format!(
+            "{}{reworded}{}",
+            &rendered[..at],
+            &rendered[at + message.len()..]
+        ),
+        None => rendered,
+    }
+}
+
+/// The database URL schemes Tether speaks.
+pub const DATABASE_SCHEMES: &[&str] = &["sqlite:", "postgres://", "postgresql://"];
+
+/// Refuses a database URL of another scheme (a typo such as `postgress://`
+/// would otherwise be tried as a database), naming the accepted ones.
+fn database_scheme(url: &str) -> Result<(), ConfigError> {
+    if DATABASE_SCHEMES
+        .iter()
+        .any(|scheme| url.starts_with(scheme))
+    {
+        return Ok(());
+    }
+    let given = match url.split_once(':') {
+        Some((scheme, _)) => format!("the scheme {scheme:?} is not supported"),
+        None => "is not a URL".to_owned(),
+    };
+    Err(invalid(
+        "TETHER_DATABASE_URL",
+        format!("{given}; use sqlite://PATH, postgres:// or postgresql://"),
+    ))
+}
+
 /// A variable named by an explicit `*_env` key must be set.
 fn required_env(
     key: &str,
@@ -1455,12 +1531,7 @@ impl Config {
 
         let database_url =
             env("TETHER_DATABASE_URL").unwrap_or_else(|| DEFAULT_DATABASE_URL.to_owned());
-        if !database_url.starts_with("sqlite:") && !database_url.starts_with("postgres") {
-            return Err(invalid(
-                "TETHER_DATABASE_URL",
-                "must be a sqlite:// or postgres:// URL",
-            ));
-        }
+        database_scheme(&database_url)?;
         let listen_text = env("TETHER_LISTEN").unwrap_or_else(|| DEFAULT_LISTEN.to_owned());
         let listen: SocketAddr = listen_text.parse().map_err(|_| {
             invalid(
@@ -1556,6 +1627,53 @@ impl Config {
 }
 
 impl Config {
+    /// What `tether config check` prints of a valid configuration: its
+    /// agents (provider, model, tools) and its tools. No secret, and of a
+    /// tool's URL only its origin.
+    pub fn describe(&self) -> String {
+        use std::fmt::Write as _;
+        let file = &self.file;
+        let mut out = String::from("configuration is valid\n");
+        let _ = writeln!(out, "agents ({}):", file.agents.len());
+        for agent in &file.agents {
+            let default = if agent.name == file.default_agent_name() {
+                " (default)"
+            } else {
+                ""
+            };
+            let tools = if agent.tools.is_empty() {
+                "none".to_owned()
+            } else {
+                agent.tools.join(", ")
+            };
+            let _ = writeln!(
+                out,
+                "  {}{default}: provider {}, model {}; tools: {tools}",
+                agent.name,
+                agent.provider.as_str(),
+                agent.model_name(),
+            );
+        }
+        let _ = writeln!(out, "tools ({}):", BUILTIN_TOOLS.len() + file.tools.len());
+        for name in BUILTIN_TOOLS {
+            let _ = writeln!(out, "  {name}: built in");
+        }
+        for tool in &file.tools {
+            let target = match &tool.http {
+                Some(http) => format!("{} {}", http.method, crate::redact::origin(&http.url)),
+                None => "no target".to_owned(),
+            };
+            let risk = match &tool.risk {
+                Some(risk) => format!("; risk {risk} (needs approval)"),
+                None => String::new(),
+            };
+            let _ = writeln!(out, "  {}: {target}{risk}", tool.name);
+        }
+        out
+    }
+}
+
+impl Config {
     /// The database file of an SQLite URL; `None` for in-memory databases,
     /// URI file names and other URLs.
     pub fn sqlite_file(&self) -> Option<PathBuf> {
@@ -1632,6 +1750,49 @@ mod tests {
                 .agent(config.file.default_agent_name())
                 .is_some()
         );
+    }
+
+    #[test]
+    fn type_errors_speak_toml_not_rust() {
+        let cases = [
+            ("[runtime]\nlease_secs = \"soon\"\n", "expected a number"),
+            (
+                "[runtime]\ncrash_retry_budget = 1.5\n",
+                "invalid type: number `1.5`, expected a non-negative integer",
+            ),
+            (
+                "[runtime]\nlease_secs = [1]\n",
+                "invalid type: array, expected a number",
+            ),
+            ("[policy]\nallow_always = \"yes\"\n", "expected a boolean"),
+            ("agents = 3\n", "expected an array"),
+            ("runtime = 3\n", "expected a table"),
+        ];
+        for (toml, expected) in cases {
+            let err = message(load_with(toml, &[]));
+            assert!(err.contains(expected), "{toml}: {err}");
+            assert!(err.contains("line "), "the line is kept: {err}");
+            for rust in ["f64", "u32", "u64", "struct ", "sequence", "map,"] {
+                assert!(!err.contains(rust), "{toml}: {err}");
+            }
+        }
+    }
+
+    #[test]
+    fn database_urls_of_other_schemes_are_refused_with_the_accepted_ones() {
+        let err = message(load_with(
+            AGENT,
+            &[("TETHER_DATABASE_URL", "postgress://u:pw@h/db")],
+        ));
+        assert!(err.contains("\"postgress\""), "{err}");
+        assert!(
+            err.contains("postgres://") && err.contains("sqlite://"),
+            "{err}"
+        );
+        assert!(!err.contains("pw"), "{err}");
+        for url in ["sqlite::memory:", "postgres://h/db", "postgresql://h/db"] {
+            assert!(database_scheme(url).is_ok(), "{url} is accepted");
+        }
     }
 
     #[test]

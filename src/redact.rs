@@ -79,6 +79,25 @@ pub fn origin(url: &str) -> String {
     format!("{scheme}://{host}")
 }
 
+/// A URL as it may be printed where its owner reads it (a start-up
+/// error): user, host, port, path and query kept, a password removed, and
+/// secret-looking query values masked.
+pub fn url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return secrets(url);
+    };
+    let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(end);
+    let authority = match authority.rsplit_once('@') {
+        Some((user, host)) => {
+            let user = user.split(':').next().unwrap_or_default();
+            format!("{user}@{host}")
+        }
+        None => authority.to_owned(),
+    };
+    format!("{scheme}://{authority}{}", secrets(tail))
+}
+
 /// `Debug` for an optional secret: whether it is there, never what it is.
 pub struct Hidden<'a, T>(pub &'a Option<T>);
 
@@ -153,6 +172,23 @@ mod tests {
         assert_eq!(capped.chars().count(), MAX_MESSAGE_CHARS + 1);
         assert!(capped.ends_with('…'));
         assert_eq!(message("  short  "), "short");
+    }
+
+    #[test]
+    fn urls_lose_their_password_only() {
+        assert_eq!(
+            url("postgres://tether:s3cr3t@db.internal:5433/tether?sslmode=require&password=p"),
+            "postgres://tether@db.internal:5433/tether?sslmode=require&password=[redacted]"
+        );
+        assert_eq!(
+            url("postgres://postgres@127.0.0.1:1/x"),
+            "postgres://postgres@127.0.0.1:1/x"
+        );
+        assert_eq!(
+            url("sqlite:///no/such/dir/t.db?mode=rwc"),
+            "sqlite:///no/such/dir/t.db?mode=rwc"
+        );
+        assert_eq!(url("sqlite:t.db"), "sqlite:t.db");
     }
 
     #[test]

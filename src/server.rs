@@ -201,6 +201,9 @@ fn lock_sqlite_for_workers(config: &Config) -> anyhow::Result<Option<std::fs::Fi
     let Some(database) = config.sqlite_file() else {
         return Ok(None);
     };
+    if let Some(missing) = crate::store::missing_folder(&database) {
+        anyhow::bail!(missing);
+    }
     let mut path = database.into_os_string();
     path.push(".lock");
     let path = std::path::PathBuf::from(path);

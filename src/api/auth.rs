@@ -50,14 +50,81 @@ impl Viewer {
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum AuthError {
-    #[error("missing bearer token")]
+    #[error("missing token")]
     Missing,
-    #[error("invalid token")]
-    Invalid,
+    #[error("invalid token: {0}")]
+    Invalid(Refusal),
     #[error("no secret to sign tokens with: set TETHER_JWT_SECRET")]
     CannotSign,
     #[error("no token can be an operator's: set auth.operator_claim")]
     NoOperators,
+}
+
+impl AuthError {
+    /// Why the caller was refused, in the words of `extensions.reason`:
+    /// enough for its developer to fix the token, nothing of the secrets.
+    pub fn reason(&self) -> String {
+        match self {
+            AuthError::Invalid(refusal) => refusal.to_string(),
+            other => other.to_string(),
+        }
+    }
+}
+
+/// Why a token was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Refusal {
+    #[error("not a bearer token")]
+    NotBearer,
+    #[error("malformed token")]
+    Malformed,
+    #[error("algorithm not accepted")]
+    Algorithm,
+    /// A JWKS token whose `kid` the identity provider does not list.
+    #[error("unknown signing key")]
+    UnknownKey,
+    #[error("bad signature")]
+    BadSignature,
+    #[error("expired")]
+    Expired,
+    #[error("not yet valid")]
+    NotYetValid,
+    #[error("wrong issuer")]
+    WrongIssuer,
+    #[error("wrong audience")]
+    WrongAudience,
+    #[error("missing claim {0}")]
+    MissingClaim(String),
+    /// Present, but not of the type it must have (a number for `exp`, a
+    /// non-empty string for the tenant and the principal).
+    #[error("invalid claim {0}")]
+    InvalidClaim(String),
+}
+
+impl From<Refusal> for AuthError {
+    fn from(refusal: Refusal) -> AuthError {
+        AuthError::Invalid(refusal)
+    }
+}
+
+impl Refusal {
+    fn of(err: &jsonwebtoken::errors::Error) -> Refusal {
+        use jsonwebtoken::errors::ErrorKind;
+        match err.kind() {
+            ErrorKind::InvalidSignature => Refusal::BadSignature,
+            ErrorKind::ExpiredSignature => Refusal::Expired,
+            ErrorKind::ImmatureSignature => Refusal::NotYetValid,
+            ErrorKind::InvalidIssuer => Refusal::WrongIssuer,
+            ErrorKind::InvalidAudience => Refusal::WrongAudience,
+            ErrorKind::MissingRequiredClaim(claim) => Refusal::MissingClaim(claim.clone()),
+            ErrorKind::InvalidClaimFormat(claim) => Refusal::InvalidClaim(claim.clone()),
+            ErrorKind::InvalidAlgorithm
+            | ErrorKind::MissingAlgorithm
+            | ErrorKind::InvalidAlgorithmName
+            | ErrorKind::UnsupportedAlgorithm => Refusal::Algorithm,
+            _ => Refusal::Malformed,
+        }
+    }
 }
 
 /// Why an authenticator cannot be built from its configuration.
@@ -165,46 +232,68 @@ impl Authenticator {
 
     /// Verifies a bearer token.
     pub async fn verify(&self, token: &str) -> Result<Viewer, AuthError> {
-        let header = jsonwebtoken::decode_header(token).map_err(|_| AuthError::Invalid)?;
+        let header = jsonwebtoken::decode_header(token).map_err(|err| match names_alg(token) {
+            // A header that parses but names an algorithm this library
+            // does not verify (`none`).
+            true => Refusal::Algorithm,
+            false => Refusal::of(&err),
+        })?;
         let mut validation = self.validation.clone();
         validation.algorithms = vec![header.alg];
         let claims = if header.alg == Algorithm::HS256 {
-            self.secrets
-                .iter()
-                .find_map(|(_, key)| decode(token, key, &validation))
+            if self.secrets.is_empty() {
+                return Err(Refusal::Algorithm.into());
+            }
+            // The signature is checked before the claims: a secret that
+            // verifies it decides, and a token none verifies has a bad
+            // signature.
+            let mut refused = Refusal::BadSignature;
+            let mut claims = None;
+            for (_, key) in &self.secrets {
+                match decode(token, key, &validation) {
+                    Ok(verified) => {
+                        claims = Some(verified);
+                        break;
+                    }
+                    Err(Refusal::BadSignature) => {}
+                    Err(refusal) => {
+                        refused = refusal;
+                        break;
+                    }
+                }
+            }
+            claims.ok_or(refused)?
         } else {
-            let (jwks, algorithms) = self.jwks.as_ref().ok_or(AuthError::Invalid)?;
+            let (jwks, algorithms) = self.jwks.as_ref().ok_or(Refusal::Algorithm)?;
             if !algorithms.contains(&header.alg) {
-                return Err(AuthError::Invalid);
+                return Err(Refusal::Algorithm.into());
             }
             let key = jwks
                 .key(header.kid.as_deref())
                 .await
-                .ok_or(AuthError::Invalid)?;
+                .ok_or(Refusal::UnknownKey)?;
             let pinned = key.algorithm.is_none_or(|alg| alg == header.alg);
             if !pinned || key.decoding.family() != header.alg.family() {
-                return Err(AuthError::Invalid);
+                return Err(Refusal::Algorithm.into());
             }
-            decode(token, &key.decoding, &validation)
+            decode(token, &key.decoding, &validation)?
         };
-        self.viewer(claims.ok_or(AuthError::Invalid)?)
+        self.viewer(claims)
     }
 
     fn viewer(&self, claims: Map<String, Value>) -> Result<Viewer, AuthError> {
-        let text = |name: &str| {
-            claims
-                .get(name)
-                .and_then(Value::as_str)
-                .filter(|value| !value.is_empty())
-                .map(str::to_owned)
+        let text = |name: &str| match claims.get(name) {
+            None | Some(Value::Null) => Err(Refusal::MissingClaim(name.to_owned())),
+            Some(Value::String(value)) if !value.is_empty() => Ok(value.clone()),
+            Some(_) => Err(Refusal::InvalidClaim(name.to_owned())),
         };
         Ok(Viewer {
-            tenant: text(&self.tenant_claim).ok_or(AuthError::Invalid)?,
-            principal: text(&self.principal_claim).ok_or(AuthError::Invalid)?,
+            tenant: text(&self.tenant_claim)?,
+            principal: text(&self.principal_claim)?,
             expires_at: claims
                 .get("exp")
                 .and_then(Value::as_i64)
-                .ok_or(AuthError::Invalid)?,
+                .ok_or_else(|| Refusal::InvalidClaim("exp".to_owned()))?,
             operator: self
                 .operator_claim
                 .as_ref()
@@ -213,13 +302,29 @@ impl Authenticator {
     }
 
     /// Verifies an `Authorization` header value of the form `Bearer <jwt>`.
+    /// A refusal is logged at debug level with its reason.
     pub async fn verify_header(&self, value: Option<&str>) -> Result<Viewer, AuthError> {
-        let value = value.ok_or(AuthError::Missing)?.trim();
-        let (scheme, token) = value.split_once(' ').ok_or(AuthError::Invalid)?;
-        if !scheme.eq_ignore_ascii_case("bearer") {
-            return Err(AuthError::Invalid);
+        let verified = self.verify_bearer(value).await;
+        if let Err(err) = &verified {
+            tracing::debug!(reason = %err.reason(), "authentication refused");
         }
-        self.verify(token.trim()).await
+        verified
+    }
+
+    async fn verify_bearer(&self, value: Option<&str>) -> Result<Viewer, AuthError> {
+        let value = value.ok_or(AuthError::Missing)?.trim();
+        if value.is_empty() {
+            return Err(AuthError::Missing);
+        }
+        let (scheme, token) = value.split_once(' ').unwrap_or((value, ""));
+        if !scheme.eq_ignore_ascii_case("bearer") {
+            return Err(Refusal::NotBearer.into());
+        }
+        let token = token.trim();
+        if token.is_empty() {
+            return Err(AuthError::Missing);
+        }
+        self.verify(token).await
     }
 
     /// Signs an HS256 token for `sub` in `tenant`, valid for `ttl`, with
@@ -272,10 +377,27 @@ impl Authenticator {
     }
 }
 
-fn decode(token: &str, key: &DecodingKey, validation: &Validation) -> Option<Map<String, Value>> {
-    jsonwebtoken::decode::<Map<String, Value>>(token, key, validation)
+/// Whether the token's header is a JSON object naming an algorithm.
+fn names_alg(token: &str) -> bool {
+    use base64::Engine;
+    let Some(header) = token.split('.').next() else {
+        return false;
+    };
+    base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(header)
         .ok()
+        .and_then(|bytes| serde_json::from_slice::<Map<String, Value>>(&bytes).ok())
+        .is_some_and(|header| header.get("alg").is_some_and(Value::is_string))
+}
+
+fn decode(
+    token: &str,
+    key: &DecodingKey,
+    validation: &Validation,
+) -> Result<Map<String, Value>, Refusal> {
+    jsonwebtoken::decode::<Map<String, Value>>(token, key, validation)
         .map(|data| data.claims)
+        .map_err(|err| Refusal::of(&err))
 }
 
 #[cfg(test)]
@@ -323,7 +445,7 @@ mod tests {
             .unwrap()
             .mint("acme", "ada", Duration::from_secs(60))
             .unwrap();
-        assert_eq!(auth.verify(&other).await, Err(AuthError::Invalid));
+        assert_eq!(auth.verify(&other).await, Err(Refusal::BadSignature.into()));
 
         let exp = now_millis() / 1000 + 60;
         let unsigned = format!(
@@ -331,24 +453,52 @@ mod tests {
             b64(serde_json::json!({"alg": "none", "typ": "JWT"})),
             b64(serde_json::json!({"sub": "ada", "tenant": "acme", "exp": exp}))
         );
-        assert_eq!(auth.verify(&unsigned).await, Err(AuthError::Invalid));
-        for claims in [
-            serde_json::json!({"sub": "ada", "tenant": "acme", "exp": exp - 120}),
-            serde_json::json!({"sub": "ada", "tenant": "acme", "exp": exp, "nbf": exp - 1}),
-            serde_json::json!({"sub": "ada", "exp": exp}),
-            serde_json::json!({"sub": "", "tenant": "acme", "exp": exp}),
-            serde_json::json!({"sub": "ada", "tenant": 7, "exp": exp}),
+        assert_eq!(auth.verify(&unsigned).await, Err(Refusal::Algorithm.into()));
+        let claim = |name: &str| name.to_owned();
+        for (claims, refusal) in [
+            (
+                serde_json::json!({"sub": "ada", "tenant": "acme", "exp": exp - 120}),
+                Refusal::Expired,
+            ),
+            (
+                serde_json::json!({"sub": "ada", "tenant": "acme", "exp": exp, "nbf": exp - 1}),
+                Refusal::NotYetValid,
+            ),
+            (
+                serde_json::json!({"sub": "ada", "exp": exp}),
+                Refusal::MissingClaim(claim("tenant")),
+            ),
+            (
+                serde_json::json!({"sub": "ada", "tenant": "acme"}),
+                Refusal::MissingClaim(claim("exp")),
+            ),
+            (
+                serde_json::json!({"sub": "", "tenant": "acme", "exp": exp}),
+                Refusal::InvalidClaim(claim("sub")),
+            ),
+            (
+                serde_json::json!({"sub": "ada", "tenant": 7, "exp": exp}),
+                Refusal::InvalidClaim(claim("tenant")),
+            ),
         ] {
             assert_eq!(
                 auth.verify(&hs256(claims.clone(), SECRET)).await,
-                Err(AuthError::Invalid),
+                Err(refusal.into()),
                 "{claims}"
             );
         }
+        assert_eq!(
+            auth.verify("not.a.jwt").await,
+            Err(Refusal::Malformed.into())
+        );
         assert_eq!(auth.verify_header(None).await, Err(AuthError::Missing));
         assert_eq!(
+            auth.verify_header(Some("Bearer ")).await,
+            Err(AuthError::Missing)
+        );
+        assert_eq!(
             auth.verify_header(Some("Basic abc")).await,
-            Err(AuthError::Invalid)
+            Err(Refusal::NotBearer.into())
         );
     }
 
@@ -365,7 +515,10 @@ mod tests {
         let new_token = rotated
             .mint("acme", "ada", Duration::from_secs(60))
             .unwrap();
-        assert_eq!(old.verify(&new_token).await, Err(AuthError::Invalid));
+        assert_eq!(
+            old.verify(&new_token).await,
+            Err(Refusal::BadSignature.into())
+        );
         assert!(
             Authenticator::new(SECRET)
                 .unwrap()
@@ -397,11 +550,27 @@ mod tests {
         let base = serde_json::json!({"org_id": "acme", "email": "ada", "exp": exp,
             "iss": "https://idp.example", "aud": "tether"});
         assert!(auth.verify(&hs256(base.clone(), SECRET)).await.is_ok());
-        for (field, value) in [
-            ("iss", serde_json::json!("https://evil.example")),
-            ("aud", serde_json::json!("someone-else")),
-            ("aud", serde_json::json!(null)),
-            ("org_id", serde_json::json!(null)),
+        for (field, value, refusal) in [
+            (
+                "iss",
+                serde_json::json!("https://evil.example"),
+                Refusal::WrongIssuer,
+            ),
+            (
+                "aud",
+                serde_json::json!("someone-else"),
+                Refusal::WrongAudience,
+            ),
+            (
+                "aud",
+                serde_json::json!(null),
+                Refusal::MissingClaim("aud".into()),
+            ),
+            (
+                "org_id",
+                serde_json::json!(null),
+                Refusal::MissingClaim("org_id".into()),
+            ),
         ] {
             let mut claims = base.clone();
             match value {
@@ -412,7 +581,7 @@ mod tests {
             }
             assert_eq!(
                 auth.verify(&hs256(claims.clone(), SECRET)).await,
-                Err(AuthError::Invalid),
+                Err(refusal.into()),
                 "{claims}"
             );
         }

@@ -76,6 +76,7 @@ impl From<store::Error> for ApiError {
             store::Error::Forbidden(message) => ApiError::Forbidden(message),
             store::Error::Unavailable(message) => ApiError::Unavailable(message),
             err @ (store::Error::Database(_)
+            | store::Error::Connect { .. }
             | store::Error::Corrupt(_)
             | store::Error::WriteFailed(_)
             | store::Error::Fenced

@@ -10,6 +10,7 @@ use http_body_util::BodyExt;
 
 use async_graphql::parser::types::OperationType;
 
+use super::auth::AuthError;
 use super::context::operation_type;
 use super::error::bad_request;
 use super::{AppState, ws};
@@ -43,20 +44,21 @@ pub async fn graphql_post(State(app): State<AppState>, request: Request) -> Resp
     // A body trickled in slowly holds its connection no longer than a query
     // may run.
     let reading = tokio::time::timeout(app.limits.request_timeout(), read_limited(body, limit));
-    let bytes = match (viewer.is_ok(), reading.await) {
-        (true, Ok(Ok(bytes))) => bytes,
-        (false, Ok(Ok(_))) => return unauthenticated(),
-        (false, _) => return closing(unauthenticated()),
-        (true, Ok(Err(response))) => return response,
-        (true, Err(_)) => {
+    let bytes = match (&viewer, reading.await) {
+        (Ok(_), Ok(Ok(bytes))) => bytes,
+        (Err(refused), Ok(Ok(_))) => return unauthenticated(refused),
+        (Err(refused), _) => return closing(unauthenticated(refused)),
+        (Ok(_), Ok(Err(response))) => return response,
+        (Ok(_), Err(_)) => {
             return closing(refusal(
                 StatusCode::REQUEST_TIMEOUT,
                 "the request body did not arrive within request_timeout_secs",
             ));
         }
     };
-    let Ok(viewer) = viewer else {
-        return unauthenticated();
+    let viewer = match viewer {
+        Ok(viewer) => viewer,
+        Err(refused) => return unauthenticated(&refused),
     };
     let request: async_graphql::Request = match serde_json::from_slice(&bytes) {
         Ok(request) => request,
@@ -109,7 +111,7 @@ pub async fn graphql_get(State(app): State<AppState>, request: Request) -> Respo
     }
     let viewer = match app.auth.verify_header(authorization(&parts.headers)).await {
         Ok(viewer) => viewer,
-        Err(_) => return unauthenticated(),
+        Err(refused) => return unauthenticated(&refused),
     };
     let query = parts.uri.query().unwrap_or_default();
     if query.len() > app.limits.max_request_bytes {
@@ -254,12 +256,12 @@ fn refusal(status: StatusCode, message: &str) -> Response {
     )
 }
 
-fn unauthenticated() -> Response {
-    let mut response = json_response(
-        StatusCode::UNAUTHORIZED,
-        "application/json",
-        &errors_body("unauthenticated", "UNAUTHENTICATED"),
-    );
+/// 401, with why in `extensions.reason` (`expired`, `bad signature`,
+/// `missing claim tenant`…) beside the stable message and code.
+fn unauthenticated(refused: &AuthError) -> Response {
+    let mut body = errors_body("unauthenticated", "UNAUTHENTICATED");
+    body["errors"][0]["extensions"]["reason"] = refused.reason().into();
+    let mut response = json_response(StatusCode::UNAUTHORIZED, "application/json", &body);
     response
         .headers_mut()
         .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));

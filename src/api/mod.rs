@@ -10,6 +10,7 @@ pub mod feed;
 mod http;
 mod introspection;
 pub mod listener;
+mod literals;
 pub mod mutation;
 mod operations;
 mod operators;
@@ -32,6 +33,7 @@ use auth::Authenticator;
 use context::{Services, Snapshots};
 use cost::QueryCost;
 use error::ErrorCodes;
+use literals::EnumLiterals;
 use mutation::Mutation;
 use operators::{OperatorMutation, OperatorQuery};
 use query::Query;
@@ -86,6 +88,7 @@ pub fn schema(services: Services) -> TetherSchema {
         .limit_depth(limits.max_query_depth)
         .limit_complexity(limits.max_query_complexity)
         .extension(ErrorCodes)
+        .extension(EnumLiterals)
         .extension(Snapshots(services.store.clone()))
         .extension(QueryCost {
             max_aliases: limits.max_aliases,

@@ -108,6 +108,9 @@ async fn converse(
     let mut served: Served = StreamMap::new();
     let mut engine: Option<Box<Engine>> = None;
     let legacy = protocol == WebSocketProtocols::SubscriptionsTransportWS;
+    // The client closed: tungstenite has queued its answer (the client's
+    // code, echoed), which goes out when the socket is next flushed.
+    let mut closed_by_client = false;
 
     let close: Option<(u16, String)> = loop {
         let accepted = matches!(init, Init::Accepted(_));
@@ -171,7 +174,11 @@ async fn converse(
                 }
                 Some(Ok(Message::Ping(_) | Message::Pong(_))) => {}
                 Some(Err(err)) => break too_large(err, limits.max_request_bytes),
-                Some(Ok(Message::Close(_))) | None => break None,
+                Some(Ok(Message::Close(_))) => {
+                    closed_by_client = true;
+                    break None;
+                }
+                None => break None,
             },
             verified = verification(&mut init) => match verified {
                 Some(viewer) => {
@@ -225,6 +232,11 @@ async fn converse(
             reason: reason.into(),
         };
         send(&mut sink, Message::Close(Some(frame)), send_timeout).await;
+    }
+    if closed_by_client {
+        // Without this the client sees the connection drop (1006) instead
+        // of its close acknowledged.
+        let _ = timeout(send_timeout, sink.close()).await;
     }
 }
 

@@ -32,6 +32,10 @@ use crate::domain::retry::RetryPolicy;
 pub enum Error {
     #[error("database error: {0}")]
     Database(#[from] DbErr),
+    /// The database could not be opened at start-up: where (its URL with
+    /// any password removed, or its file) and why, in words.
+    #[error("{target}: {cause}")]
+    Connect { target: String, cause: String },
     #[error("not found")]
     NotFound,
     #[error("{0}")]
@@ -161,6 +165,7 @@ impl Store {
     pub async fn connect_with(url: &str, bus: Bus, pools: &Pools) -> Result<Store> {
         let sqlite = url.starts_with("sqlite:");
         let main = pools.connections.unwrap_or(if sqlite { 8 } else { 16 });
+        probe(url, pools).await?;
         let db = Database::connect(connect_options(url, main, 1, pools)).await?;
         let read_statements = Arc::new(AtomicU64::new(0));
         // Each pool opened on an in-memory URL is a database of its own: the
@@ -301,6 +306,101 @@ impl Store {
         };
         Ok(self.reads.begin_with_options(options).await?)
     }
+}
+
+/// Opens one connection directly, before the pools: a pool retries a
+/// failed connect until its acquire timeout and then reports only that it
+/// timed out, so a wrong address, a stopped server or a missing folder would
+/// be reported late and without its cause.
+async fn probe(url: &str, pools: &Pools) -> Result<()> {
+    use sea_orm::sqlx::{ConnectOptions as _, Connection as _};
+    use sea_orm::sqlx::{postgres::PgConnectOptions, sqlite::SqliteConnectOptions};
+    let target = crate::redact::url(url);
+    let failed = |cause: String| Error::Connect {
+        target: target.clone(),
+        cause,
+    };
+    let within = pools.acquire_timeout;
+    if url.starts_with("sqlite:") {
+        let options = url
+            .parse::<SqliteConnectOptions>()
+            .map_err(|err| failed(crate::redact::message(&err.to_string())))?
+            .create_if_missing(true);
+        let file = options.get_filename().to_owned();
+        let opened = tokio::time::timeout(within, options.connect()).await;
+        return match opened {
+            Ok(Ok(connection)) => {
+                let _ = connection.close().await;
+                Ok(())
+            }
+            Ok(Err(err)) => Err(failed(sqlite_failure(&err, &file))),
+            Err(_) => Err(failed(format!("no answer within {within:?}"))),
+        };
+    }
+    let options = url
+        .parse::<PgConnectOptions>()
+        .map_err(|err| failed(crate::redact::message(&err.to_string())))?;
+    let address = match options.get_socket() {
+        Some(socket) => socket.display().to_string(),
+        None => format!("{}:{}", options.get_host(), options.get_port()),
+    };
+    match tokio::time::timeout(within, options.connect()).await {
+        Ok(Ok(connection)) => {
+            let _ = connection.close().await;
+            Ok(())
+        }
+        Ok(Err(err)) => Err(failed(postgres_failure(&err, &address))),
+        Err(_) => Err(failed(format!(
+            "no answer from {address} within {}s",
+            within.as_secs_f64()
+        ))),
+    }
+}
+
+/// Why a PostgreSQL connection failed, in words, with the address it went to.
+fn postgres_failure(err: &sea_orm::sqlx::Error, address: &str) -> String {
+    use sea_orm::sqlx::Error as Sqlx;
+    use std::io::ErrorKind;
+    match err {
+        Sqlx::Io(io) => {
+            let what = match io.kind() {
+                ErrorKind::ConnectionRefused => "connection refused".to_owned(),
+                ErrorKind::TimedOut => "connection timed out".to_owned(),
+                ErrorKind::ConnectionReset => "connection reset".to_owned(),
+                ErrorKind::NotFound => "no such host or socket".to_owned(),
+                _ => io.to_string(),
+            };
+            format!("{what} at {address}")
+        }
+        Sqlx::Database(db) => format!("{} (at {address})", crate::redact::message(db.message())),
+        other => format!(
+            "{} (at {address})",
+            crate::redact::message(&other.to_string())
+        ),
+    }
+}
+
+/// Why an SQLite database could not be opened, naming its file (and its
+/// folder when that is what is missing).
+fn sqlite_failure(err: &sea_orm::sqlx::Error, file: &std::path::Path) -> String {
+    let why = match err {
+        sea_orm::sqlx::Error::Database(db) => db.message().to_owned(),
+        other => other.to_string(),
+    };
+    missing_folder(file).unwrap_or_else(|| format!("cannot open {}: {why}", file.display()))
+}
+
+/// Why an SQLite database file cannot be opened when its folder is missing
+/// (SQLite itself says only "unable to open database file").
+pub fn missing_folder(file: &std::path::Path) -> Option<String> {
+    let folder = file.parent()?;
+    (!folder.as_os_str().is_empty() && !folder.exists()).then(|| {
+        format!(
+            "cannot open {}: the folder {} does not exist",
+            file.display(),
+            folder.display()
+        )
+    })
 }
 
 /// Whether a database error is a unique-constraint violation.

@@ -144,3 +144,76 @@ async fn explicit_null_means_the_default() {
         .gql(&token, &two_pages("100"), json!({ "c": conversation }))
         .await;
 }
+
+/// An enum value written as a string literal is refused, as the GraphQL
+/// specification requires, in arguments, input objects, lists and variable
+/// defaults; the same value without quotes, or as a variable's JSON string,
+/// is accepted.
+#[tokio::test]
+async fn enum_values_given_as_string_literals_are_refused() {
+    let server = Server::start().await;
+    let token = server.token("acme", "ada");
+    let conversation = server.create_conversation(&token).await;
+    let send = |strategy: &str| {
+        format!(
+            "mutation($c: ID!) {{ sendMessage(input: {{conversationId: $c, text: \"hi\", onActiveRun: {strategy}}}) {{ run {{ id }} }} }}"
+        )
+    };
+    let quoted = [
+        (send("\"QUEUE\""), "sendMessage.input.onActiveRun"),
+        (
+            "mutation { decideApproval(input: {interactionId: \"x\", decision: \"ALLOW_ONCE\"}) { resumed } }".to_owned(),
+            "decideApproval.input.decision",
+        ),
+        (
+            "mutation($c: ID!, $s: ActiveRunStrategy = \"QUEUE\") { sendMessage(input: {conversationId: $c, text: \"hi\", onActiveRun: $s}) { run { id } } }".to_owned(),
+            "$s",
+        ),
+        // Inside a fragment, on a value that is no member either.
+        (
+            "mutation($c: ID!) { ...send } fragment send on Mutation { sendMessage(input: {conversationId: $c, text: \"hi\", onActiveRun: \"LATER\"}) { run { id } } }".to_owned(),
+            "sendMessage.input.onActiveRun",
+        ),
+    ];
+    for (query, path) in &quoted {
+        let (status, body) = server
+            .post(Some(&token), query, json!({ "c": conversation }))
+            .await;
+        let error = &body["errors"][0];
+        assert_eq!(
+            error["extensions"]["code"], "BAD_USER_INPUT",
+            "{query}: {body}"
+        );
+        let message = error["message"].as_str().unwrap();
+        assert!(message.starts_with(path), "{query}: {message}");
+        assert!(message.contains("without quotes"), "{message}");
+        assert!(body["data"].is_null(), "{query}: {body}");
+        assert!(status == 200 || status == 400, "{status}");
+    }
+    // Nothing of them was stored.
+    let data = server
+        .gql(
+            &token,
+            "query($c: ID!) { conversation(id: $c) { messages { id } } }",
+            json!({ "c": conversation }),
+        )
+        .await;
+    assert_eq!(data["conversation"]["messages"], json!([]));
+
+    // Without quotes, and from a variable's JSON string, it is accepted.
+    server
+        .gql(&token, &send("QUEUE"), json!({ "c": conversation }))
+        .await;
+    let variable = "mutation($c: ID!, $s: ActiveRunStrategy) { sendMessage(input: {conversationId: $c, text: \"hi\", onActiveRun: $s}) { run { id } } }";
+    server
+        .gql(&token, variable, json!({ "c": conversation, "s": "QUEUE" }))
+        .await;
+    // A string where a string belongs is not touched.
+    server
+        .gql(
+            &token,
+            &send("QUEUE").replace("\"hi\"", "\"QUEUE\""),
+            json!({ "c": conversation }),
+        )
+        .await;
+}

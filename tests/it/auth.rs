@@ -6,7 +6,7 @@ use base64::Engine;
 use jsonwebtoken::{Algorithm, EncodingKey, Header};
 use serde_json::{Value, json};
 
-use crate::support::{Ending, SECRET, Server, WsClient};
+use crate::support::{BASE_CONFIG, Ending, SECRET, Server, ServerOptions, WsClient};
 
 fn now() -> i64 {
     std::time::SystemTime::now()
@@ -24,7 +24,8 @@ fn sign(claims: Value, secret: &str) -> String {
     .unwrap()
 }
 
-/// Tokens the server must refuse, with what is wrong with each.
+/// Tokens the server must refuse, with what is wrong with each: the reason
+/// the refusal gives.
 fn bad_tokens() -> Vec<(&'static str, String)> {
     let b64 = |v: Value| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(v.to_string());
     let exp = now() + 600;
@@ -44,23 +45,30 @@ fn bad_tokens() -> Vec<(&'static str, String)> {
             ),
         ),
         (
-            "alg none",
+            "algorithm not accepted",
             format!(
                 "{}.{}.",
                 b64(json!({"alg": "none", "typ": "JWT"})),
                 b64(json!({"sub": "ada", "tenant": "acme", "exp": exp}))
             ),
         ),
-        ("no tenant", sign(json!({"sub": "ada", "exp": exp}), SECRET)),
         (
-            "no sub",
+            "missing claim tenant",
+            sign(json!({"sub": "ada", "exp": exp}), SECRET),
+        ),
+        (
+            "missing claim sub",
             sign(json!({"tenant": "acme", "exp": exp}), SECRET),
         ),
         (
-            "no exp",
+            "missing claim exp",
             sign(json!({"sub": "ada", "tenant": "acme"}), SECRET),
         ),
-        ("garbage", "not.a.jwt".to_owned()),
+        (
+            "invalid claim tenant",
+            sign(json!({"sub": "ada", "tenant": 7, "exp": exp}), SECRET),
+        ),
+        ("malformed token", "not.a.jwt".to_owned()),
     ]
 }
 
@@ -70,6 +78,8 @@ async fn http_refuses_missing_and_bad_tokens_with_401() {
     let (status, body) = server.post(None, "{ me { tenant } }", json!({})).await;
     assert_eq!(status, 401);
     assert_eq!(body["errors"][0]["extensions"]["code"], "UNAUTHENTICATED");
+    assert_eq!(body["errors"][0]["message"], "unauthenticated");
+    assert_eq!(body["errors"][0]["extensions"]["reason"], "missing token");
     for (what, token) in bad_tokens() {
         let (status, body) = server
             .post(Some(&token), "{ me { tenant } }", json!({}))
@@ -79,6 +89,8 @@ async fn http_refuses_missing_and_bad_tokens_with_401() {
             body["errors"][0]["extensions"]["code"], "UNAUTHENTICATED",
             "{what}"
         );
+        assert_eq!(body["errors"][0]["message"], "unauthenticated", "{what}");
+        assert_eq!(body["errors"][0]["extensions"]["reason"], what, "{body}");
         assert!(body.get("data").is_none(), "{what}");
     }
     // A mutation with a bad token stores nothing either.
@@ -95,6 +107,109 @@ async fn http_refuses_missing_and_bad_tokens_with_401() {
         .gql(&token, "{ conversations { nodes { id } } }", json!({}))
         .await;
     assert_eq!(data["conversations"]["nodes"], json!([]));
+}
+
+/// The reason of a refused request with this `Authorization` header (or
+/// none), over POST and GET alike.
+async fn refusal_reason(server: &Server, authorization: Option<&str>) -> String {
+    let query = "{ me { tenant } }";
+    let mut post = server
+        .http()
+        .post(format!("{}/graphql", server.base))
+        .json(&json!({ "query": query }));
+    let mut get = server.http().get(format!(
+        "{}/graphql?query=%7B%20me%20%7B%20tenant%20%7D%20%7D",
+        server.base
+    ));
+    if let Some(value) = authorization {
+        post = post.header("Authorization", value);
+        get = get.header("Authorization", value);
+    }
+    let mut reasons = Vec::new();
+    for request in [post, get] {
+        let response = request.send().await.unwrap();
+        assert_eq!(response.status().as_u16(), 401, "{authorization:?}");
+        let body: Value = response.json().await.unwrap();
+        let error = &body["errors"][0];
+        assert_eq!(error["message"], "unauthenticated", "{body}");
+        assert_eq!(error["extensions"]["code"], "UNAUTHENTICATED", "{body}");
+        reasons.push(error["extensions"]["reason"].as_str().unwrap().to_owned());
+    }
+    assert_eq!(reasons[0], reasons[1], "POST and GET agree");
+    reasons.remove(0)
+}
+
+#[tokio::test]
+async fn every_refusal_gives_its_reason_and_logs_it_at_debug() {
+    let server = Server::start_with(ServerOptions {
+        config: format!(
+            "{BASE_CONFIG}\n[auth]\nissuer = \"https://idp.test\"\naudience = \"tether\"\n"
+        ),
+        env: vec![("RUST_LOG".into(), "warn,tether::api::auth=debug".into())],
+        ..Default::default()
+    })
+    .await;
+    let exp = now() + 600;
+    let claims = |iss: &str, aud: &str| json!({"sub": "ada", "tenant": "acme", "exp": exp, "iss": iss, "aud": aud});
+    let bearer = |claims: Value, secret: &str| format!("Bearer {}", sign(claims, secret));
+    let cases = [
+        (None, "missing token"),
+        (Some("Bearer ".to_owned()), "missing token"),
+        (Some("Basic YWRhOnB3".to_owned()), "not a bearer token"),
+        (Some("Bearer not.a.jwt".to_owned()), "malformed token"),
+        (
+            Some(bearer(
+                claims("https://idp.test", "tether"),
+                "not-the-secret",
+            )),
+            "bad signature",
+        ),
+        (
+            Some(bearer(claims("https://idp.test", "someone-else"), SECRET)),
+            "wrong audience",
+        ),
+        (
+            Some(bearer(claims("https://evil.test", "tether"), SECRET)),
+            "wrong issuer",
+        ),
+        (
+            Some(bearer(
+                json!({"sub": "ada", "tenant": "acme", "exp": now() - 30, "iss": "https://idp.test", "aud": "tether"}),
+                SECRET,
+            )),
+            "expired",
+        ),
+        (
+            Some(bearer(
+                json!({"sub": "ada", "exp": exp, "iss": "https://idp.test", "aud": "tether"}),
+                SECRET,
+            )),
+            "missing claim tenant",
+        ),
+        (
+            Some(bearer(
+                json!({"sub": "ada", "tenant": "acme", "exp": exp, "iss": "https://idp.test"}),
+                SECRET,
+            )),
+            "missing claim aud",
+        ),
+    ];
+    for (authorization, reason) in &cases {
+        assert_eq!(
+            refusal_reason(&server, authorization.as_deref()).await,
+            *reason,
+            "{authorization:?}"
+        );
+        server.wait_for_log(&format!("reason={reason}"), 1).await;
+    }
+    let (status, _) = server
+        .post(
+            Some(&sign(claims("https://idp.test", "tether"), SECRET)),
+            "{ me { tenant } }",
+            json!({}),
+        )
+        .await;
+    assert_eq!(status, 200, "a good token still gets in");
 }
 
 #[tokio::test]

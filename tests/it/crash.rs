@@ -124,11 +124,12 @@ async fn a_crash_at_each_commit_point_loses_nothing_and_completes_once() {
                 assert_eq!(count(&events, "run.started", &run), 1, "{point}");
                 assert_eq!(parts.len(), 1, "{point}: {parts:?}");
             }
-            // The empty part of the cut-off attempt is closed, a notice
-            // follows, and the retry streams into a new part.
+            // The empty part of the cut-off attempt becomes the notice,
+            // and the retry streams into a new part.
             "after_begin" => {
                 assert_eq!(count(&events, "run.started", &run), 2, "{point}");
-                assert_eq!(parts[1].0, "NOTICE", "{point}: {parts:?}");
+                assert_eq!(parts[0].0, "NOTICE", "{point}: {parts:?}");
+                assert_eq!(parts.len(), 2, "{point}: {parts:?}");
             }
             // The checkpointed text survives, closed, before the notice.
             "after_checkpoint" => {

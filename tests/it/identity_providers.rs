@@ -263,57 +263,81 @@ async fn wrong_issuer_audience_time_or_key_and_alg_confusion_are_refused() {
         .unwrap()
     };
     let rsa_public_key = serde_json::to_vec(&rsa.jwk).unwrap();
-    let cases: Vec<(&str, String)> = vec![
+    // What each is, and the reason the refusal gives.
+    let cases: Vec<(&str, &str, String)> = vec![
         (
             "another issuer",
+            "wrong issuer",
             rsa.sign(&with(claims(), "iss", json!("https://evil.example.test/"))),
         ),
-        ("no issuer", rsa.sign(&with(claims(), "iss", Value::Null))),
+        (
+            "no issuer",
+            "missing claim iss",
+            rsa.sign(&with(claims(), "iss", Value::Null)),
+        ),
         (
             "another audience",
+            "wrong audience",
             rsa.sign(&with(claims(), "aud", json!("someone-else"))),
         ),
-        ("no audience", rsa.sign(&with(claims(), "aud", Value::Null))),
         (
+            "no audience",
+            "missing claim aud",
+            rsa.sign(&with(claims(), "aud", Value::Null)),
+        ),
+        (
+            "not yet valid",
             "not yet valid",
             rsa.sign(&with(claims(), "nbf", json!(now() + 600))),
         ),
         (
             "expired",
+            "expired",
             ec.sign(&with(claims(), "exp", json!(now() - 30))),
         ),
         (
             "no tenant claim",
+            "missing claim org_id",
             ec.sign(&with(claims(), "org_id", Value::Null)),
         ),
         (
             "a key not in the set, under a kid that is",
+            "bad signature",
             stranger.sign(&claims()),
         ),
         (
             "a key not in the set, under its own kid",
+            "unknown signing key",
             stranger.sign_as(Algorithm::ES256, "ec-2", &claims()),
         ),
-        ("no kid", {
+        ("no kid", "unknown signing key", {
             let mut header = Header::new(Algorithm::RS256);
             header.kid = None;
             jsonwebtoken::encode(&header, &claims(), &rsa.encoding).unwrap()
         }),
         (
             "an RSA key claimed as PS256 where the set pins RS256",
+            "algorithm not accepted",
             rsa.sign_as(Algorithm::PS256, "rsa-1", &claims()),
         ),
         (
             "HS256 with the secret of the test suite (no secret is configured)",
+            "algorithm not accepted",
             hs256(SECRET.as_bytes(), &claims()),
         ),
         (
             "HS256 keyed with the published RSA key",
+            "algorithm not accepted",
             hs256(&rsa_public_key, &claims()),
         ),
     ];
-    for (what, token) in &cases {
+    for (what, reason, token) in &cases {
         assert_refused(&server, what, token).await;
+        let (_, body) = me_over_http(&server, token).await;
+        assert_eq!(
+            body["errors"][0]["extensions"]["reason"], *reason,
+            "{what}: {body}"
+        );
     }
     // The same good token still gets in.
     assert_eq!(me_over_http(&server, &ec.sign(&claims())).await.0, 200);

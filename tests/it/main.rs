@@ -5,6 +5,7 @@ mod support;
 
 mod arguments;
 mod auth;
+mod cli;
 mod connections;
 mod conversations;
 mod cors;
@@ -39,4 +40,5 @@ mod tool_crash;
 mod tools;
 mod traces;
 mod websocket_abuse;
+mod websocket_close;
 mod workers;

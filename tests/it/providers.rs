@@ -168,7 +168,80 @@ async fn client_errors_are_not_retried_and_fail_with_the_providers_message() {
         assert_eq!(ended["error"]["code"], kind);
         assert_eq!(ended["error"]["message"], "the fake says no");
         assert_eq!(fake.requests().len(), 1, "{status} is not retried");
+        // The reply shows the failure, not an empty text.
+        let parts = server.reply_parts(&token, &conversation, &run).await;
+        assert_eq!(parts.len(), 1, "{status}: {parts:?}");
+        assert_eq!(parts[0]["kind"], "ERROR", "{status}: {parts:?}");
+        assert_eq!(parts[0]["state"], "DONE");
+        assert_eq!(parts[0]["text"], "the fake says no");
     }
+}
+
+/// Sends "hi" to the server's agent and waits for the run to end: the run,
+/// and its reply's parts as (kind, text).
+async fn reply_to_hi(server: &Server) -> (Value, Vec<(String, String)>) {
+    let token = server.token("acme", "ada");
+    let conversation = server.create_conversation(&token).await;
+    let (_, run) = server.send(&token, &conversation, "hi").await;
+    let ended = server.wait_until_ended(&token, &run).await;
+    let parts = server.reply_parts(&token, &conversation, &run).await;
+    let shown = parts
+        .iter()
+        .map(|p| {
+            let field = |name: &str| p[name].as_str().unwrap_or_default().to_owned();
+            (field("kind"), field("text"))
+        })
+        .collect();
+    (ended, shown)
+}
+
+#[tokio::test]
+async fn a_run_that_fails_before_any_text_shows_the_reason_in_an_error_part() {
+    // An Anthropic agent with no API key anywhere: the request is never made.
+    let fake = FakeProvider::start(Wire::Anthropic).await;
+    let config = format!(
+        "[[agents]]\nname = \"model\"\nprovider = \"anthropic\"\nmodel = \"fake-model\"\nbase_url = \"{}\"\n",
+        fake.base_url
+    );
+    let server = Server::start_workers(&config).await;
+    let (ended, shown) = reply_to_hi(&server).await;
+    assert_eq!(ended["status"], "FAILED", "{ended}");
+    assert!(fake.requests().is_empty());
+    assert_eq!(shown.len(), 1, "{shown:?}");
+    assert_eq!(shown[0].0, "ERROR", "{shown:?}");
+    assert!(shown[0].1.contains("no Anthropic API key"), "{shown:?}");
+    assert_eq!(shown[0].1, ended["error"]["message"], "the run's own error");
+
+    // A provider that refuses the key: its message, and never the key.
+    let fake = FakeProvider::start(Wire::Anthropic).await;
+    fake.script([Reply::Error {
+        status: 401,
+        kind: "authentication_error",
+        message: "invalid x-api-key",
+        headers: vec![],
+    }]);
+    let (ended, shown) = reply_to_hi(&server_for(&fake, "anthropic").await).await;
+    assert_eq!(ended["status"], "FAILED", "{ended}");
+    assert_eq!(shown.len(), 1, "{shown:?}");
+    assert_eq!(shown[0].0, "ERROR", "{shown:?}");
+    assert!(shown[0].1.contains("invalid x-api-key"), "{shown:?}");
+    assert!(!shown[0].1.contains(KEY), "{shown:?}");
+}
+
+#[tokio::test]
+async fn an_attempt_abandoned_before_its_first_token_leaves_no_empty_text_part() {
+    let fake = FakeProvider::start(Wire::Anthropic).await;
+    fake.script([
+        error(503, "api_error", vec![]),
+        stream(anthropic_sse(&["The answer."], 10, 4), 16),
+    ]);
+    let (ended, shown) = reply_to_hi(&server_for(&fake, "anthropic").await).await;
+    assert_eq!(ended["status"], "COMPLETED", "{ended}");
+    // The notice of the failed attempt, then the reply: no empty bubble.
+    assert_eq!(shown.len(), 2, "{shown:?}");
+    assert_eq!(shown[0].0, "NOTICE", "{shown:?}");
+    assert!(shown[0].1.contains("attempt 2 of 3"), "{shown:?}");
+    assert_eq!(shown[1], ("TEXT".to_owned(), "The answer.".to_owned()));
 }
 
 #[tokio::test]
@@ -181,22 +254,12 @@ async fn an_error_event_after_200_abandons_the_attempt_and_retries() {
         ),
         stream(anthropic_sse(&["The whole answer."], 10, 4), 16),
     ]);
-    let server = server_for(&fake, "anthropic").await;
-    let token = server.token("acme", "ada");
-    let conversation = server.create_conversation(&token).await;
-    let (_, run) = server.send(&token, &conversation, "hi").await;
-    assert_eq!(
-        server.wait_until_ended(&token, &run).await["status"],
-        "COMPLETED"
-    );
-    let parts = server.reply_parts(&token, &conversation, &run).await;
-    let shown: Vec<(&str, &str)> = parts
-        .iter()
-        .map(|p| (p["kind"].as_str().unwrap(), p["text"].as_str().unwrap()))
-        .collect();
-    assert_eq!(shown[0], ("TEXT", "half an ans"));
+    let (ended, shown) = reply_to_hi(&server_for(&fake, "anthropic").await).await;
+    assert_eq!(ended["status"], "COMPLETED");
+    let text = |text: &str| ("TEXT".to_owned(), text.to_owned());
+    assert_eq!(shown[0], text("half an ans"));
     assert_eq!(shown[1].0, "NOTICE");
-    assert_eq!(shown[2], ("TEXT", "The whole answer."));
+    assert_eq!(shown[2], text("The whole answer."));
     // The abandoned text never went back to the model.
     let second = &fake.requests()[1];
     assert_eq!(second["messages"].as_array().unwrap().len(), 1, "{second}");

@@ -9,7 +9,7 @@ use uuid::Uuid;
 
 use super::WriteTx;
 use super::calls::close_unfinished;
-use super::parts::{PartContent, add_part, part_event, part_event_for, utf16_len};
+use super::parts::{part_event_for, reply_message, show_at_end, utf16_len};
 use super::pending::cancel_pending;
 use crate::domain::event::{EventBody, EventKind, NewEvent};
 use crate::domain::run::{EndCause, RunError, RunInput, RunStatus, Usage, transition};
@@ -88,6 +88,12 @@ pub(in crate::store) async fn end_closed(
 ) -> Result<Vec<NewEvent>> {
     events.extend(close_unfinished(tx, &row).await?);
     events.extend(cancel_pending(tx, &row).await?);
+    // A failure is shown where the reply is read, not only on the run.
+    if let Some(error) = &error
+        && let Some(message_id) = reply_message(tx, &row).await?
+    {
+        events.push(show_at_end(tx, &row, message_id, PartKind::Error, &error.message).await?);
+    }
     let from: RunStatus = parse_stored(&row.status, "run status")?;
     let to = transition(from, RunInput::End(cause)).map_err(|e| Error::Conflict(e.to_string()))?;
     let now = now_millis();
@@ -177,19 +183,9 @@ pub(in crate::store) async fn abandon_open_parts_with(
         .one(&**tx)
         .await?
         .ok_or(Error::NotFound)?;
-    let content = PartContent {
-        kind: PartKind::Notice,
-        state: PartState::Done,
-        text: Some(notice),
-        data: None,
-    };
-    let notice = add_part(tx, &run, message_id, content).await?;
-    events.push(part_event(
-        EventKind::PartAdded,
-        &run,
-        &notice,
-        notice.text.as_deref().map(utf16_len),
-    )?);
+    // An attempt cut off before its first token leaves no empty text part:
+    // that part becomes the notice.
+    events.push(show_at_end(tx, &run, message_id, PartKind::Notice, notice).await?);
     Ok(events)
 }
 

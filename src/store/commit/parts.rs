@@ -38,13 +38,65 @@ pub fn utf16_len(text: &str) -> i64 {
 
 /// The run's assistant message (made by its first `begin`).
 pub(in crate::store) async fn assistant_message(tx: &WriteTx, row: &run::Model) -> Result<Uuid> {
-    message::Entity::find()
+    reply_message(tx, row).await?.ok_or(Error::NotFound)
+}
+
+/// Shows `text` as a finished part of `kind` (a run's `ERROR`, an
+/// attempt's `NOTICE`) at the end of the message: in place of its last part
+/// when that is an empty text part, which an attempt that ended before its
+/// first token leaves, else after it. Returns the part's event.
+pub(in crate::store) async fn show_at_end(
+    tx: &WriteTx,
+    run: &run::Model,
+    message_id: Uuid,
+    kind: PartKind,
+    text: &str,
+) -> Result<NewEvent> {
+    let last = part::Entity::find()
+        .filter(part::Column::MessageId.eq(message_id))
+        .order_by_desc(part::Column::Idx)
+        .one(&**tx)
+        .await?;
+    let length = Some(utf16_len(text));
+    match last {
+        Some(last)
+            if last.kind == PartKind::Text.as_str()
+                && last.text.as_deref().is_none_or(str::is_empty) =>
+        {
+            let mut active: part::ActiveModel = last.into();
+            active.kind = Set(kind.as_str().to_owned());
+            active.state = Set(PartState::Done.as_str().to_owned());
+            active.text = Set(Some(text.to_owned()));
+            // It no longer holds an attempt's text.
+            active.abandoned = Set(false);
+            active.updated_at = Set(now_millis());
+            let shown = active.update(&**tx).await?;
+            part_event(EventKind::PartUpdated, run, &shown, length)
+        }
+        _ => {
+            let content = PartContent {
+                kind,
+                state: PartState::Done,
+                text: Some(text),
+                data: None,
+            };
+            let shown = add_part(tx, run, message_id, content).await?;
+            part_event(EventKind::PartAdded, run, &shown, length)
+        }
+    }
+}
+
+/// The run's assistant message, if its first `begin` made it.
+pub(in crate::store) async fn reply_message(
+    tx: &WriteTx,
+    row: &run::Model,
+) -> Result<Option<Uuid>> {
+    Ok(message::Entity::find()
         .filter(message::Column::RunId.eq(row.id))
         .filter(message::Column::Role.eq(MessageRole::Assistant.as_str()))
         .one(&**tx)
         .await?
-        .map(|m| m.id)
-        .ok_or(Error::NotFound)
+        .map(|m| m.id))
 }
 
 /// Writes the parts' texts in `state`, returning their `part.updated`.
