@@ -113,10 +113,13 @@ pub async fn start(config: Config, role: Role) -> anyhow::Result<Running> {
         Role::All | Role::Worker => lock_sqlite_for_workers(&config)?,
     };
     let store = open_store(&config).await?;
-    if config.file.metrics.enabled && telemetry::install().is_none() {
-        tracing::warn!("another metrics recorder is installed: /metrics answers 404");
-    }
     let stopping = CancellationToken::new();
+    if config.file.metrics.enabled {
+        if telemetry::install().is_none() {
+            tracing::warn!("another metrics recorder is installed: /metrics answers 404");
+        }
+        tokio::spawn(telemetry::keep_up(stopping.clone()));
+    }
     if config.database_url.starts_with("postgres") {
         bus::pg::spawn(
             config.database_url.clone(),

@@ -73,6 +73,26 @@ pub fn install() -> Option<&'static PrometheusHandle> {
         .as_ref()
 }
 
+/// How often recorded histogram values are moved into their buckets.
+const UPKEEP_EVERY: Duration = Duration::from_secs(5);
+
+/// Moves recorded histogram values into their buckets every few seconds
+/// until `stop`: the recorder keeps each value until then, so a process
+/// nobody scrapes would otherwise hold every one it recorded.
+pub async fn keep_up(stop: tokio_util::sync::CancellationToken) {
+    let Some(handle) = install() else {
+        return;
+    };
+    let mut every = tokio::time::interval(UPKEEP_EVERY);
+    every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            () = stop.cancelled() => return,
+            _ = every.tick() => handle.run_upkeep(),
+        }
+    }
+}
+
 fn describe() {
     describe_counter!(
         RUNS_ENDED,

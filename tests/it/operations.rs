@@ -433,3 +433,66 @@ async fn readyz_answers_not_ready_while_sigterm_drains_a_run() {
     assert_eq!(released["slow"], "done");
     assert!(server.exited().await.success());
 }
+
+#[tokio::test]
+async fn readyz_answers_not_ready_while_the_listen_connection_is_down() {
+    if !on_postgres() {
+        return;
+    }
+    let server = Server::start_with(ServerOptions {
+        role: "api",
+        ..Default::default()
+    })
+    .await;
+    let status = |wanted: u16| {
+        let server = &server;
+        async move {
+            let deadline = tokio::time::Instant::now() + PATIENCE;
+            loop {
+                let response = server.get("/readyz").await;
+                if response.status() == wanted {
+                    return response.text().await.unwrap();
+                }
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "/readyz never answered {wanted}"
+                );
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+        }
+    };
+    assert_eq!(status(200).await, "ready");
+
+    // The listener is cut and cannot come back while the database takes no
+    // new connections; the pools keep theirs.
+    let database = server.database_url().rsplit('/').next().unwrap().to_owned();
+    let admin_url = std::env::var("TETHER_TEST_DATABASE_URL").unwrap();
+    let admin = sea_orm::Database::connect(admin_url.as_str())
+        .await
+        .unwrap();
+    let run = |sql: String| {
+        let admin = &admin;
+        async move {
+            sea_orm::ConnectionTrait::execute_unprepared(admin, &sql)
+                .await
+                .unwrap()
+        }
+    };
+    run(format!(
+        "ALTER DATABASE \"{database}\" ALLOW_CONNECTIONS false"
+    ))
+    .await;
+    let cut = run(format!(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+         WHERE datname = '{database}' AND query LIKE 'LISTEN%'"
+    ))
+    .await;
+    assert!(cut.rows_affected() >= 1, "the server listens: {cut:?}");
+    let body = status(503).await;
+    run(format!(
+        "ALTER DATABASE \"{database}\" ALLOW_CONNECTIONS true"
+    ))
+    .await;
+    assert_eq!(body, "not listening for notifications");
+    assert_eq!(status(200).await, "ready");
+}
