@@ -178,3 +178,43 @@ async fn a_claim_is_a_trace_of_its_steps_model_requests_and_tool_calls() {
         format!("00-{}-{}-01", hex(&root.trace_id), hex(&call.span_id))
     );
 }
+
+#[tokio::test]
+async fn json_logs_carry_the_ids_of_the_run_they_are_about() {
+    let mut server = Server::start_with(ServerOptions {
+        config: crate::support::WORKER_CONFIG.to_owned(),
+        env: vec![
+            ("TETHER_LOG_FORMAT".into(), "json".into()),
+            ("RUST_LOG".into(), "info".into()),
+        ],
+        role: "all",
+    })
+    .await;
+    let token = server.token("acme", "ada");
+    let conversation = server.create_conversation(&token).await;
+    let (_, run) = server.send(&token, &conversation, "/fail 429").await;
+    assert_eq!(
+        server.wait_until_ended(&token, &run).await["status"],
+        "COMPLETED"
+    );
+    let logs = server.logs_after_exit().await;
+    let lines: Vec<serde_json::Value> = logs
+        .lines()
+        .filter(|line| !line.trim().is_empty())
+        .map(|line| serde_json::from_str(line).unwrap_or_else(|_| panic!("not JSON: {line}")))
+        .collect();
+    let retrying = lines
+        .iter()
+        .find(|line| line["fields"]["message"] == "model request failed; retrying")
+        .unwrap_or_else(|| panic!("no retry logged: {logs}"));
+    assert_eq!(retrying["level"], "INFO");
+    let run_span = retrying["spans"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|span| span["name"] == "run")
+        .unwrap_or_else(|| panic!("no run span: {retrying}"));
+    assert_eq!(run_span["run_id"], run.as_str());
+    assert_eq!(run_span["conversation_id"], conversation.as_str());
+    assert_eq!(run_span["tenant"], "acme");
+}
