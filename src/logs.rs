@@ -53,15 +53,21 @@ pub fn init(config: &TelemetryConfig) -> anyhow::Result<Guard> {
         Some(endpoint) => Some(tracer_provider(endpoint, &config.service_name)?),
         None => None,
     };
-    let spans = provider.as_ref().map(|provider| {
-        tracing_opentelemetry::layer()
-            .with_tracer(provider.tracer("tether"))
-            .with_filter(LevelFilter::INFO)
-    });
-    tracing_subscriber::registry()
-        .with(logs)
-        .with(spans)
-        .try_init()?;
+    // Two subscribers rather than an `Option` layer: an absent layer still
+    // says it is interested in every callsite, which would enable every
+    // span and event of every crate for the logs' filter to throw away.
+    match &provider {
+        Some(provider) => {
+            let spans = tracing_opentelemetry::layer()
+                .with_tracer(provider.tracer("tether"))
+                .with_filter(LevelFilter::INFO);
+            tracing_subscriber::registry()
+                .with(logs)
+                .with(spans)
+                .try_init()?;
+        }
+        None => tracing_subscriber::registry().with(logs).try_init()?,
+    }
     if let Some(endpoint) = &config.otlp_endpoint {
         tracing::info!(endpoint = %crate::redact::origin(endpoint), "exporting traces over OTLP");
     }

@@ -281,7 +281,10 @@ async fn metrics_count_a_scenario_of_runs_a_retry_tool_calls_and_an_approval() {
     assert_eq!(expect(&text, "tether_queue_depth", &[]), 0.0);
     assert_eq!(expect(&text, "tether_queue_oldest_age_seconds", &[]), 0.0);
     assert!(expect(&text, "tether_fanout_lag_seconds_count", &[]) >= 1.0);
-    assert_eq!(expect(&text, "tether_subscriber_catch_ups_total", &[]), 0.0);
+    // Exposed from the start; whether the subscriber fell behind once (the
+    // head watcher may see a commit before this process's bus has it)
+    // depends on timing.
+    expect(&text, "tether_subscriber_catch_ups_total", &[]);
     for pool in ["write", "read"] {
         assert!(expect(&text, "tether_db_pool_max_connections", &[("pool", pool)]) >= 1.0);
         expect(
