@@ -72,7 +72,9 @@ impl Conversation {
         DateTime(self.0.created_at)
     }
 
-    /// The last `last` messages (before `before`, when given), oldest first.
+    /// The last `last` messages (before `before`, when given), in reading
+    /// order: the order the model reads them in, each run's message
+    /// followed by its reply, runs in their order.
     #[graphql(complexity = "cost::list(last.unwrap_or(cost::MESSAGES_PAGE), child_complexity)")]
     async fn messages(
         &self,

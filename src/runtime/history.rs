@@ -72,7 +72,7 @@ pub async fn load(store: &Store, run: &run::Model) -> Result<History> {
         None => {
             let messages =
                 reads::messages(db, &run.tenant, run.conversation_id, None, None).await?;
-            let mut ordered = in_order(messages, run)?;
+            let mut ordered = in_order(messages, run);
             if let Some(summary) = &latest_summary {
                 drain_through(&mut ordered, summary.through_message_id);
             }
@@ -82,31 +82,15 @@ pub async fn load(store: &Store, run: &run::Model) -> Result<History> {
     build(store, run, latest_summary.as_ref(), ordered).await
 }
 
-/// Every user message up to the run's trigger, each followed by its reply,
-/// in the order of their runs.
-fn in_order(messages: Vec<message::Model>, run: &run::Model) -> Result<Vec<message::Model>> {
-    // Each user message with the reply of the run it started.
-    let mut replies: HashMap<Uuid, message::Model> = HashMap::new();
-    let mut questions = Vec::new();
-    for message in messages {
-        match parse_stored::<MessageRole>(&message.role, "message role")? {
-            MessageRole::Assistant => {
-                if let Some(run_id) = message.run_id {
-                    replies.insert(run_id, message);
-                }
-            }
-            MessageRole::User if message.run_seq <= run.seq => questions.push(message),
-            MessageRole::User => {}
-        }
-    }
-    questions.sort_by_key(|m| (m.run_seq, m.id));
-    let mut ordered = Vec::new();
-    for question in questions {
-        let reply = question.run_id.and_then(|id| replies.remove(&id));
-        ordered.push(question);
-        ordered.extend(reply);
-    }
-    Ok(ordered)
+/// The messages up to the run's own, in the reading order the store gives
+/// them (`reads::ReadingOrder`, the order people read them in too): each
+/// question followed by its reply. Messages queued behind the run are not
+/// its history yet.
+fn in_order(messages: Vec<message::Model>, run: &run::Model) -> Vec<message::Model> {
+    messages
+        .into_iter()
+        .filter(|m| m.run_seq <= run.seq)
+        .collect()
 }
 
 /// Removes everything up to `through` (included), if it is there; whether
@@ -141,7 +125,7 @@ async fn after_summary(
     }
     let messages =
         reads::messages_from_run(db, &run.tenant, run.conversation_id, through.run_seq).await?;
-    let mut ordered = in_order(messages, run)?;
+    let mut ordered = in_order(messages, run);
     Ok(drain_through(&mut ordered, through.id).then_some(ordered))
 }
 

@@ -3,9 +3,10 @@
 
 use std::collections::HashMap;
 
+use sea_orm::sea_query::{Expr, ExprTrait, SimpleExpr};
 use sea_orm::{
-    ColumnTrait, ConnectionTrait, EntityTrait, Order, PrimaryKeyTrait, QueryFilter, QueryOrder,
-    QuerySelect,
+    ColumnTrait, Condition, ConnectionTrait, EntityTrait, Order, PrimaryKeyTrait, QueryFilter,
+    QueryOrder, QuerySelect, Select,
 };
 use uuid::Uuid;
 
@@ -85,6 +86,8 @@ pub async fn conversations<C: ConnectionTrait>(
 
 /// The last `last` messages (all without it) before `before` (when given),
 /// oldest first.
+/// A conversation's messages in reading order, the last `last` (all when
+/// `None`), before the message `before` when given (in that order too).
 pub async fn messages<C: ConnectionTrait>(
     db: &C,
     tenant: &str,
@@ -94,32 +97,88 @@ pub async fn messages<C: ConnectionTrait>(
 ) -> Result<Vec<message::Model>> {
     let mut query = message::Entity::find()
         .filter(message::Column::Tenant.eq(tenant))
-        .filter(message::Column::ConversationId.eq(conversation_id))
-        .order_by(message::Column::Id, Order::Desc)
-        .limit(last);
+        .filter(message::Column::ConversationId.eq(conversation_id));
     if let Some(before) = before {
-        query = query.filter(message::Column::Id.lt(before));
+        // A message of another conversation, or none, has nothing before it.
+        let Some(mark) = message(db, tenant, before)
+            .await?
+            .filter(|m| m.conversation_id == conversation_id)
+        else {
+            return Ok(Vec::new());
+        };
+        query = query.filter(ReadingOrder::before(&mark));
     }
-    let mut rows = query.all(db).await?;
+    let mut rows = ReadingOrder::sort(query, Order::Desc)
+        .limit(last)
+        .all(db)
+        .await?;
     rows.reverse();
     Ok(rows)
 }
 
 /// A conversation's messages of the run numbered `from` and every later
-/// one (`runs.seq`): a range of the `(conversation_id, run_seq)` index,
-/// however long the conversation before it. In no particular order.
+/// one (`runs.seq`), in reading order: a range of the
+/// `(conversation_id, run_seq)` index, however long the conversation
+/// before it.
 pub async fn messages_from_run<C: ConnectionTrait>(
     db: &C,
     tenant: &str,
     conversation_id: Uuid,
     from: i64,
 ) -> Result<Vec<message::Model>> {
-    Ok(message::Entity::find()
+    let query = message::Entity::find()
         .filter(message::Column::Tenant.eq(tenant))
         .filter(message::Column::ConversationId.eq(conversation_id))
-        .filter(message::Column::RunSeq.gte(from))
-        .all(db)
-        .await?)
+        .filter(message::Column::RunSeq.gte(from));
+    Ok(ReadingOrder::sort(query, Order::Asc).all(db).await?)
+}
+
+/// The one order a conversation's messages are read in, by people
+/// (`Conversation.messages`) and by the model (its history) alike: by run
+/// (`run_seq`), each run's question before its reply, then by id. Not by
+/// id alone: a reply is made when its run starts, after messages queued
+/// meanwhile, and ids come from the clocks of several processes.
+pub struct ReadingOrder;
+
+impl ReadingOrder {
+    /// 0 for a person's message, 1 for a reply.
+    fn rank() -> SimpleExpr {
+        Expr::case(
+            Expr::col(message::Column::Role).eq(crate::domain::MessageRole::User.as_str()),
+            0,
+        )
+        .finally(1)
+        .into()
+    }
+
+    fn rank_of(m: &message::Model) -> i32 {
+        i32::from(m.role != crate::domain::MessageRole::User.as_str())
+    }
+
+    fn sort(query: Select<message::Entity>, order: Order) -> Select<message::Entity> {
+        query
+            .order_by(message::Column::RunSeq, order.clone())
+            .order_by(Self::rank(), order.clone())
+            .order_by(message::Column::Id, order)
+    }
+
+    /// The messages that come before `mark`.
+    fn before(mark: &message::Model) -> Condition {
+        let rank = Self::rank_of(mark);
+        Condition::any()
+            .add(message::Column::RunSeq.lt(mark.run_seq))
+            .add(
+                Condition::all()
+                    .add(message::Column::RunSeq.eq(mark.run_seq))
+                    .add(
+                        Condition::any().add(Expr::expr(Self::rank()).lt(rank)).add(
+                            Condition::all()
+                                .add(Expr::expr(Self::rank()).eq(rank))
+                                .add(message::Column::Id.lt(mark.id)),
+                        ),
+                    ),
+            )
+    }
 }
 
 pub async fn message<C: ConnectionTrait>(

@@ -139,3 +139,98 @@ async fn a_failed_attempts_reported_usage_is_counted() {
     assert_eq!(ended["status"], "COMPLETED", "{ended}");
     assert_eq!(ended["usage"]["inputTokens"], 20, "{ended}");
 }
+
+/// Three messages queued while a run streams: `Conversation.messages` (and
+/// a page of it before a message) lists the conversation in the order the
+/// model read it, each reply right after the message that started its run,
+/// although each reply was made after all three were queued.
+#[tokio::test]
+async fn queued_messages_read_in_the_order_the_model_saw_them() {
+    let fake = FakeProvider::start(Wire::Anthropic).await;
+    fake.script([Reply::Stream {
+        sse: anthropic_sse(&["slow ", "reply ", "zero"], 10, 5),
+        chunk_bytes: 20,
+        pause: Duration::from_millis(40),
+    }]);
+    let downstream = Downstream::start().await;
+    let server = server(&fake, &downstream, "").await;
+    let token = server.token("acme", "ada");
+    let conversation = server.create_conversation(&token).await;
+    let (_, run0) = server.send(&token, &conversation, "U0").await;
+    let deadline = tokio::time::Instant::now() + crate::support::PATIENCE;
+    while fake.requests().is_empty() {
+        assert!(tokio::time::Instant::now() < deadline, "run 0 never asked");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut runs = vec![run0];
+    for text in ["U1", "U2", "U3"] {
+        runs.push(server.send(&token, &conversation, text).await.1);
+    }
+    for run in &runs {
+        let ended = server.wait_until_ended(&token, run).await;
+        assert_eq!(ended["status"], "COMPLETED", "{ended}");
+    }
+
+    // What the last run's model read: U0 A0 U1 A1 U2 A2 U3.
+    let requests = fake.requests();
+    let seen: Vec<(String, String)> = requests.last().unwrap()["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| {
+            let text = m["content"]
+                .as_array()
+                .and_then(|c| c.iter().find_map(|b| b["text"].as_str()))
+                .or_else(|| m["content"].as_str())
+                .unwrap_or_default();
+            (m["role"].as_str().unwrap().to_uppercase(), text.to_owned())
+        })
+        .collect();
+    const READ: &str = "query($c: ID!, $b: ID) { conversation(id: $c) { messages(before: $b) { id role runId parts { kind text } } } }";
+    let read = |before: Option<String>| {
+        let (server, token, conversation) = (&server, &token, &conversation);
+        async move {
+            let data = server
+                .gql(token, READ, json!({ "c": conversation, "b": before }))
+                .await;
+            data["conversation"]["messages"].as_array().unwrap().clone()
+        }
+    };
+    let listed = read(None).await;
+    let shown: Vec<(String, String)> = listed
+        .iter()
+        .map(|m| {
+            let text = m["parts"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter(|p| p["kind"] == "TEXT")
+                .filter_map(|p| p["text"].as_str())
+                .collect::<String>();
+            (m["role"].as_str().unwrap().to_owned(), text)
+        })
+        .collect();
+    assert_eq!(shown.len(), 8, "{shown:?}");
+    assert_eq!(&shown[..7], &seen[..], "people read what the model read");
+    let roles: Vec<&str> = shown.iter().map(|(role, _)| role.as_str()).collect();
+    assert_eq!(
+        roles,
+        [
+            "USER",
+            "ASSISTANT",
+            "USER",
+            "ASSISTANT",
+            "USER",
+            "ASSISTANT",
+            "USER",
+            "ASSISTANT"
+        ]
+    );
+    for (i, run) in runs.iter().enumerate() {
+        assert_eq!(listed[2 * i]["runId"], run.as_str(), "{listed:?}");
+        assert_eq!(listed[2 * i + 1]["runId"], run.as_str(), "{listed:?}");
+    }
+    // A page before U2 is what comes before it in that order.
+    let before_u2 = read(Some(listed[4]["id"].as_str().unwrap().to_owned())).await;
+    assert_eq!(before_u2, listed[..4].to_vec());
+}

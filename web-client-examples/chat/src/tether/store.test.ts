@@ -24,6 +24,18 @@ describe("ConversationStore: persisted events", () => {
     expect(store.lastCursor).toBe(cur(3));
   });
 
+  it("places a reply after the message that started its run, as the server lists them", () => {
+    const store = seeded();
+    // U1 starts run r1; U2 and U3 queue behind it; r2's reply is made when
+    // r2 starts, after both.
+    store.apply(messageCreated(cur(1), "u1", "USER", "r1"));
+    store.apply(messageCreated(cur(2), "a1", "ASSISTANT", "r1"));
+    store.apply(messageCreated(cur(3), "u2", "USER", "r2"));
+    store.apply(messageCreated(cur(4), "u3", "USER", "r3"));
+    store.apply(messageCreated(cur(5), "a2", "ASSISTANT", "r2"));
+    expect(store.getSnapshot().messages.map((m) => m.id)).toEqual(["u1", "a1", "u2", "a2", "u3"]);
+  });
+
   it("skips events the snapshot already covers", () => {
     const store = new ConversationStore("c1");
     store.seed({ lastCursor: cur(5), messages: [message("m1", [part("p1", "Hi", "DONE")])], runs: [run("r1", "COMPLETED")] });

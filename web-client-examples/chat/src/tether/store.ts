@@ -238,7 +238,7 @@ export class ConversationStore {
             createdAt: event.at,
             partIds: [],
           });
-          this.order.push(event.messageId);
+          this.place(event.messageId);
         }
         return [{ kind: "message", id: event.messageId }];
       }
@@ -327,9 +327,31 @@ export class ConversationStore {
   // ---- Results of reads ---------------------------------------------------
 
   receiveMessage(message: MessageFieldsFragment): void {
-    if (!this.order.includes(message.id)) this.order.push(message.id);
     this.upsertMessage(message);
+    this.place(message.id);
     this.changed();
+  }
+
+  /**
+   * Puts a message that arrived live where `Conversation.messages` would
+   * list it: a reply right after the message that started its run (it is
+   * made when the run starts, after any message queued meanwhile), any
+   * other message at the end.
+   */
+  private place(id: string): void {
+    if (this.order.includes(id)) return;
+    const record = this.messages.get(id);
+    if (record?.role === "ASSISTANT" && record.runId) {
+      const question = this.order.findIndex((other) => {
+        const m = this.messages.get(other);
+        return m?.role === "USER" && m.runId === record.runId;
+      });
+      if (question >= 0) {
+        this.order.splice(question + 1, 0, id);
+        return;
+      }
+    }
+    this.order.push(id);
   }
 
   receivePart(part: PartFieldsFragment): void {

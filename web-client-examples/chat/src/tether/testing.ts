@@ -16,9 +16,15 @@ export const runEvent = (cursor: string, type: string, status: RunFieldsFragment
   status,
 });
 
-export const messageCreated = (cursor: string, messageId: string, role: "USER" | "ASSISTANT" = "ASSISTANT"): TransportEvent => ({
+export const messageCreated = (
+  cursor: string,
+  messageId: string,
+  role: "USER" | "ASSISTANT" = "ASSISTANT",
+  runId = "r1",
+): TransportEvent => ({
   __typename: "MessageEvent",
   ...base(cursor, "message.created"),
+  runId,
   messageId,
   role,
 });
