@@ -68,6 +68,9 @@ pub fn authenticator(config: &Config) -> anyhow::Result<Authenticator> {
     Ok(Authenticator::from_config(auth, secrets)?)
 }
 
+/// How long start-up waits for the PostgreSQL listener's first connection.
+const LISTENER_START: Duration = Duration::from_secs(5);
+
 /// A server started in this process: the API (unless `Role::Worker`) on a
 /// bound address, and the workers (unless `Role::Api`).
 pub struct Running {
@@ -126,6 +129,14 @@ pub async fn start(config: Config, role: Role) -> anyhow::Result<Running> {
             store.bus().clone(),
             stopping.clone(),
         );
+        // Ready means listening: serve once the listener is up, unless it
+        // takes long (then `/readyz` says so until it is).
+        if tokio::time::timeout(LISTENER_START, store.bus().until_listening())
+            .await
+            .is_err()
+        {
+            tracing::warn!("not listening for notifications yet; serving anyway");
+        }
     }
     let file = Arc::new(config.file.clone());
     let connections = Arc::new(Connections::new(

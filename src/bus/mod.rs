@@ -54,6 +54,8 @@ struct ListenerState {
     lost: AtomicBool,
     /// Listening now.
     up: AtomicBool,
+    /// Woken when it starts listening.
+    came_up: Notify,
     reconnects: AtomicU64,
 }
 
@@ -195,6 +197,7 @@ impl Bus {
     /// The PostgreSQL listener is listening (after a loss: it is back).
     fn listener_up(&self) {
         self.listener.up.store(true, Ordering::Relaxed);
+        self.listener.came_up.notify_waiters();
         if self.listener.lost.swap(false, Ordering::Relaxed) {
             self.listener.reconnects.fetch_add(1, Ordering::Relaxed);
             tracing::info!("listening for notifications again");
@@ -217,6 +220,17 @@ impl Bus {
     /// first connects, and never on SQLite, which has none).
     pub fn listening(&self) -> bool {
         self.listener.up.load(Ordering::Relaxed)
+    }
+
+    /// Returns once the PostgreSQL listener is listening.
+    pub async fn until_listening(&self) {
+        loop {
+            let came_up = self.listener.came_up.notified();
+            if self.listening() {
+                return;
+            }
+            came_up.await;
+        }
     }
 
     /// How many times the PostgreSQL listener came back after a loss.
