@@ -14,6 +14,7 @@ mod m0006_connections;
 mod m0007_read_indexes;
 mod m0008_run_order;
 mod m0009_operator_actions;
+mod m0010_steering;
 mod shape;
 
 pub struct Migrator;
@@ -31,6 +32,7 @@ impl MigratorTrait for Migrator {
             Box::new(m0007_read_indexes::Migration),
             Box::new(m0008_run_order::Migration),
             Box::new(m0009_operator_actions::Migration),
+            Box::new(m0010_steering::Migration),
         ]
     }
 }

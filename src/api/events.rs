@@ -23,7 +23,8 @@ macro_rules! transport_event {
 }
 
 transport_event!(
-    /// `run.queued`, `run.started`, `run.checkpointed` and the final run events.
+    /// `run.queued`, `run.started`, `run.checkpointed`, `run.steered` and the
+    /// final run events.
     RunEvent { status: RunStatus }
 );
 transport_event!(

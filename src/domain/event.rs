@@ -32,6 +32,7 @@ event_kinds! {
     RunQueued => "run.queued",
     RunStarted => "run.started",
     RunCheckpointed => "run.checkpointed",
+    RunSteered => "run.steered",
     RunCompleted => "run.completed",
     RunFailed => "run.failed",
     RunCancelled => "run.cancelled",
@@ -145,6 +146,17 @@ impl NewEvent {
             run_id: Some(run_id),
             body: EventBody::Run { status },
         })
+    }
+
+    /// Messages steered into the running run joined it at a step boundary.
+    pub fn run_steered(run_id: Uuid) -> NewEvent {
+        NewEvent {
+            kind: EventKind::RunSteered,
+            run_id: Some(run_id),
+            body: EventBody::Run {
+                status: RunStatus::Running,
+            },
+        }
     }
 
     pub fn message_created(message_id: Uuid, role: MessageRole, run_id: Option<Uuid>) -> NewEvent {

@@ -94,7 +94,12 @@ stored_enum!(
 
 stored_enum!(
     /// How a new message treats a run that has not ended.
-    ActiveRunStrategy { Queue => "QUEUE", Interrupt => "INTERRUPT", Reject => "REJECT" }
+    ActiveRunStrategy {
+        Queue => "QUEUE",
+        Interrupt => "INTERRUPT",
+        Reject => "REJECT",
+        Steer => "STEER",
+    }
 );
 
 #[cfg(test)]

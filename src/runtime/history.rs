@@ -9,6 +9,7 @@ use crate::domain::interaction::{InteractionStatus, answers_text};
 use crate::domain::tool_call::{ToolOutcome, result_text};
 use crate::domain::{MessageRole, PartKind};
 use crate::providers::{Content, Turn};
+use crate::store::commit::PENDING_POS;
 use crate::store::entities::{interaction, message, part, run, summary, tool_call};
 use crate::store::{Result, Store, interactions, parse_stored, reads};
 
@@ -84,12 +85,13 @@ pub async fn load(store: &Store, run: &run::Model) -> Result<History> {
 
 /// The messages up to the run's own, in the reading order the store gives
 /// them (`reads::ReadingOrder`, the order people read them in too): each
-/// question followed by its reply. Messages queued behind the run are not
-/// its history yet.
+/// question followed by its reply, and messages steered into a run where
+/// they joined it. Messages queued behind the run, and those steered into
+/// it that wait for its next step boundary, are not its history yet.
 fn in_order(messages: Vec<message::Model>, run: &run::Model) -> Vec<message::Model> {
     messages
         .into_iter()
-        .filter(|m| m.run_seq <= run.seq)
+        .filter(|m| m.run_seq <= run.seq && m.pos < PENDING_POS)
         .collect()
 }
 

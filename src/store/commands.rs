@@ -50,8 +50,10 @@ pub async fn create_conversation(
 }
 
 /// Stores the user's message and a queued run for it in one transaction,
-/// with `message.created` and `run.queued`. A repeated `client_message_id`
-/// returns the original pair and stores nothing.
+/// with `message.created` and `run.queued`; a message that steers the
+/// active run is stored waiting for that run's next step boundary, and the
+/// pair returned holds that run. A repeated `client_message_id` returns the
+/// original pair and stores nothing.
 pub async fn send_message(
     store: &Store,
     actor: &Actor,
@@ -97,6 +99,9 @@ async fn send_in(
     }
 
     let mut events = Vec::new();
+    // The run the message joins when it steers one; otherwise it starts
+    // its own.
+    let mut steered = None;
     match new.on_active_run {
         // Runs of a conversation execute in order: nothing to look at.
         ActiveRunStrategy::Queue => {}
@@ -110,31 +115,45 @@ async fn send_in(
                 ));
             }
         }
+        ActiveRunStrategy::Steer => {
+            // With no active run, as QUEUE.
+            steered = unended_locked(tx, &actor.tenant, conversation.id)
+                .await?
+                .into_iter()
+                .next();
+        }
         ActiveRunStrategy::Interrupt => {
-            // Locked: a claim that commits meanwhile (claims take no
-            // conversation lock) is seen before its epoch is moved on.
-            let active = run::Entity::find()
-                .filter(run::Column::Tenant.eq(actor.tenant.as_str()))
-                .filter(run::Column::ConversationId.eq(conversation.id))
-                .filter(run::Column::Status.is_in(RunStatus::not_ended().map(RunStatus::as_str)))
-                .order_by_asc(run::Column::Seq)
-                .lock_exclusive()
-                .all(&**tx)
-                .await?;
-            // Ended here and now, also a running one: its epoch moves on, so
-            // its worker's next commit is fenced and it stops.
-            for row in active {
+            for row in unended_locked(tx, &actor.tenant, conversation.id).await? {
                 if reads::run_status(&row)? == RunStatus::Running {
+                    // Its worker may still be streaming or calling tools:
+                    // it is asked to stop, and ends the run INTERRUPTED
+                    // when it has (or, should it be gone, the claim after
+                    // its lease lapses does). The new run waits behind it,
+                    // so no two runs' effects overlap.
+                    if !row.cancel_requested {
+                        let mut active: run::ActiveModel = row.clone().into();
+                        active.cancel_requested = Set(true);
+                        active.cancel_cause = Set(Some(EndCause::Interrupted.as_str().to_owned()));
+                        active.update(&**tx).await?;
+                    }
                     tx.notify_cancel(row.id).await?;
+                } else {
+                    events.extend(commit::end(tx, row, EndCause::Interrupted, None).await?);
                 }
-                events.extend(commit::end(tx, row, EndCause::Interrupted, None).await?);
             }
         }
     }
 
     let now = now_millis();
     let message_id = new_id();
-    let run_id = new_id();
+    let (run_id, run_seq, pos) = match &steered {
+        Some(active) => (
+            active.id,
+            active.seq,
+            commit::wait_for_boundary(tx, active.id).await?,
+        ),
+        None => (new_id(), conversation.run_seq, 0),
+    };
     let message = message::ActiveModel {
         id: Set(message_id),
         conversation_id: Set(conversation.id),
@@ -143,7 +162,8 @@ async fn send_in(
         run_id: Set(Some(run_id)),
         client_message_id: Set(new.client_message_id.clone()),
         created_at: Set(now),
-        run_seq: Set(conversation.run_seq),
+        run_seq: Set(run_seq),
+        pos: Set(pos),
     }
     .insert(&**tx)
     .await
@@ -172,47 +192,52 @@ async fn send_in(
     }
     .insert(&**tx)
     .await?;
-    let run = run::ActiveModel {
-        id: Set(run_id),
-        conversation_id: Set(conversation.id),
-        tenant: Set(actor.tenant.clone()),
-        principal: Set(actor.principal.clone()),
-        agent: Set(conversation.agent.clone()),
-        trigger_message_id: Set(message_id),
-        status: Set(RunStatus::Queued.as_str().to_owned()),
-        end_cause: Set(None),
-        error: Set(None),
-        cancel_requested: Set(false),
-        attempt: Set(0),
-        max_attempts: Set(new.max_attempts),
-        next_attempt_at: Set(None),
-        steps: Set(0),
-        input_tokens: Set(0),
-        output_tokens: Set(0),
-        cost_usd: Set(0.0),
-        created_at: Set(now),
-        started_at: Set(None),
-        ended_at: Set(None),
-        lease_owner: Set(None),
-        lease_epoch: Set(0),
-        lease_expires_at: Set(None),
-        recoveries: Set(0),
-        active_ms: Set(0),
-        end_reason: Set(None),
-        claimed_at: Set(None),
-        seq: Set(conversation.run_seq),
-    }
-    .insert(&**tx)
-    .await?;
-
     events.push(NewEvent::message_created(
         message_id,
         MessageRole::User,
         Some(run_id),
     ));
-    events.extend(NewEvent::run_status(run_id, RunStatus::Queued));
+    let run = match steered {
+        Some(active) => active,
+        None => {
+            let run = commit::insert_queued_run(
+                tx,
+                commit::NewRun {
+                    id: run_id,
+                    conversation_id: conversation.id,
+                    tenant: &actor.tenant,
+                    principal: &actor.principal,
+                    agent: &conversation.agent,
+                    trigger_message_id: message_id,
+                    max_attempts: new.max_attempts,
+                    seq: conversation.run_seq,
+                },
+            )
+            .await?;
+            events.extend(NewEvent::run_status(run_id, RunStatus::Queued));
+            run
+        }
+    };
     tx.append(&conversation, events).await?;
     Ok((message, run))
+}
+
+/// The conversation's runs that have not ended, oldest first, locked: a
+/// claim that commits meanwhile (claims take no conversation lock) is seen
+/// before the caller moves the run on.
+async fn unended_locked(
+    tx: &WriteTx,
+    tenant: &str,
+    conversation_id: Uuid,
+) -> Result<Vec<run::Model>> {
+    Ok(run::Entity::find()
+        .filter(run::Column::Tenant.eq(tenant))
+        .filter(run::Column::ConversationId.eq(conversation_id))
+        .filter(run::Column::Status.is_in(RunStatus::not_ended().map(RunStatus::as_str)))
+        .order_by_asc(run::Column::Seq)
+        .lock_exclusive()
+        .all(&**tx)
+        .await?)
 }
 
 /// Cancels a run: one no worker holds ends in this transaction; a running one

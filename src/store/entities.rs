@@ -43,6 +43,12 @@ pub mod message {
         /// The number of the run the message belongs to (`runs.seq`): the
         /// one it started, or the one that wrote it.
         pub run_seq: i64,
+        /// Its place among its run's messages: the one that started the run
+        /// 0, the reply 1, then steered messages and the reply's later
+        /// messages in the order they joined; from
+        /// `commit::PENDING_POS` on, steered messages still waiting for
+        /// the run's next step boundary, in the order sent.
+        pub pos: i64,
     }
 
     #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]
@@ -126,6 +132,13 @@ pub mod run {
         /// the conversation's lock: runs execute, and show, in this order,
         /// whatever the clocks of the processes that made their ids.
         pub seq: i64,
+        /// Why a cancel was asked of the worker holding the run, when not
+        /// by `cancelRun`: `INTERRUPTED` (a message sent with `INTERRUPT`).
+        /// The run ends with this cause.
+        pub cancel_cause: Option<String>,
+        /// How many messages wait to steer the run at its next step
+        /// boundary (`onActiveRun: STEER`).
+        pub steering: i32,
     }
 
     #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]

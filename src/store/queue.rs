@@ -454,6 +454,7 @@ pub async fn requeue(
     active.ended_at = Set(None);
     active.recoveries = Set(0);
     active.cancel_requested = Set(false);
+    active.cancel_cause = Set(None);
     let requeued = sea_orm::ActiveModelTrait::update(active, &*tx).await?;
     commit::record_operator_action(
         &tx,

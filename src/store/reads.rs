@@ -3,7 +3,6 @@
 
 use std::collections::HashMap;
 
-use sea_orm::sea_query::{Expr, ExprTrait, SimpleExpr};
 use sea_orm::{
     ColumnTrait, Condition, ConnectionTrait, EntityTrait, Order, PrimaryKeyTrait, QueryFilter,
     QueryOrder, QuerySelect, Select,
@@ -135,45 +134,33 @@ pub async fn messages_from_run<C: ConnectionTrait>(
 
 /// The one order a conversation's messages are read in, by people
 /// (`Conversation.messages`) and by the model (its history) alike: by run
-/// (`run_seq`), each run's question before its reply, then by id. Not by
-/// id alone: a reply is made when its run starts, after messages queued
-/// meanwhile, and ids come from the clocks of several processes.
+/// (`run_seq`), then by place within the run (`pos`: the message that
+/// started it, its reply, then steered messages and the reply's later
+/// messages where they joined; messages still waiting to steer it last),
+/// then by id. Not by id alone: a reply is made when its run starts, after
+/// messages queued meanwhile, and ids come from the clocks of several
+/// processes.
 pub struct ReadingOrder;
 
 impl ReadingOrder {
-    /// 0 for a person's message, 1 for a reply.
-    fn rank() -> SimpleExpr {
-        Expr::case(
-            Expr::col(message::Column::Role).eq(crate::domain::MessageRole::User.as_str()),
-            0,
-        )
-        .finally(1)
-        .into()
-    }
-
-    fn rank_of(m: &message::Model) -> i32 {
-        i32::from(m.role != crate::domain::MessageRole::User.as_str())
-    }
-
     fn sort(query: Select<message::Entity>, order: Order) -> Select<message::Entity> {
         query
             .order_by(message::Column::RunSeq, order.clone())
-            .order_by(Self::rank(), order.clone())
+            .order_by(message::Column::Pos, order.clone())
             .order_by(message::Column::Id, order)
     }
 
     /// The messages that come before `mark`.
     fn before(mark: &message::Model) -> Condition {
-        let rank = Self::rank_of(mark);
         Condition::any()
             .add(message::Column::RunSeq.lt(mark.run_seq))
             .add(
                 Condition::all()
                     .add(message::Column::RunSeq.eq(mark.run_seq))
                     .add(
-                        Condition::any().add(Expr::expr(Self::rank()).lt(rank)).add(
+                        Condition::any().add(message::Column::Pos.lt(mark.pos)).add(
                             Condition::all()
-                                .add(Expr::expr(Self::rank()).eq(rank))
+                                .add(message::Column::Pos.eq(mark.pos))
                                 .add(message::Column::Id.lt(mark.id)),
                         ),
                     ),

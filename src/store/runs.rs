@@ -13,8 +13,8 @@ use uuid::Uuid;
 use super::commit::{
     Begun, Ending, Lease, OpenPart, PartContent, PartText, abandon_open_parts,
     abandon_open_parts_with, apply_usage, assistant_message, clear_lease, end_closed, fence,
-    insert_part, next_index, open, open_text_part, part_event, save_parts, start, step_events,
-    utf16_len,
+    insert_part, join_steered, next_index, open, open_text_part, part_event, save_parts, start,
+    step_events, utf16_len,
 };
 use super::entities::{part, run, summary};
 use super::{Error, Result, Store};
@@ -37,11 +37,16 @@ pub async fn begin(store: &Store, lease: &Lease) -> Result<Begun> {
 
 /// The step's end when it asked for tools and every call has its result:
 /// the step is counted, usage recorded, `run.checkpointed` said, the next
-/// model request starts at attempt 1, and the next step's text part opens.
+/// model request starts at attempt 1, messages steered into the run join it
+/// (`run.steered`, and the reply goes on in a new message after them), and
+/// the next step's text part opens.
 pub async fn end_step(store: &Store, lease: &Lease, usage: Usage) -> Result<(OpenPart, Cursor)> {
     let (mut tx, conversation, row) = open(store, lease).await?;
-    let message_id = assistant_message(&tx, &row).await?;
     let mut events = step_events(&row, usage, true);
+    let message_id = match join_steered(&tx, &row, &mut events).await? {
+        Some(steered) => steered,
+        None => assistant_message(&tx, &row).await?,
+    };
     let mut active: run::ActiveModel = row.clone().into();
     active.steps = Set(row.steps + 1);
     active.attempt = Set(1);

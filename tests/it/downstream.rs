@@ -48,8 +48,10 @@ struct Shared {
     /// Results recorded per idempotency key (the effect happened once).
     results: Mutex<HashMap<String, Value>>,
     effects: Mutex<usize>,
-    /// Requests whose client went away before the answer.
+    /// Requests whose client went away before the answer, and when each
+    /// was noticed.
     closed: Mutex<usize>,
+    closed_at: Mutex<Vec<std::time::Instant>>,
     changed: Notify,
     slow_until: Mutex<usize>,
     redirect_to: Mutex<String>,
@@ -102,6 +104,11 @@ impl Downstream {
         *self.shared.closed.lock().unwrap()
     }
 
+    /// When each request whose client went away was noticed closing.
+    pub fn closed_at(&self) -> Vec<std::time::Instant> {
+        self.shared.closed_at.lock().unwrap().clone()
+    }
+
     /// Waits until `check` holds for the service.
     pub async fn wait_for(&self, what: &str, check: impl Fn(&Downstream) -> bool) {
         let deadline = tokio::time::Instant::now() + PATIENCE;
@@ -136,6 +143,11 @@ impl Drop for Watch {
     fn drop(&mut self) {
         if !self.answered {
             *self.shared.closed.lock().unwrap() += 1;
+            self.shared
+                .closed_at
+                .lock()
+                .unwrap()
+                .push(std::time::Instant::now());
             self.shared.changed.notify_waiters();
         }
     }

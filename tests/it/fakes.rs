@@ -108,6 +108,8 @@ struct Shared {
     /// The thinking, redacted thinking and tool_use blocks of each Messages
     /// API reply that called tools, in the order they were sent.
     issued: Mutex<Vec<Vec<Value>>>,
+    /// When each request arrived, in the order of `requests`.
+    arrivals: Mutex<Vec<std::time::Instant>>,
     /// Streams whose client went away before the stream's end.
     abandoned: AtomicUsize,
 }
@@ -124,6 +126,7 @@ impl FakeProvider {
             script: Mutex::default(),
             requests: Mutex::default(),
             issued: Mutex::default(),
+            arrivals: Mutex::default(),
             abandoned: AtomicUsize::new(0),
         });
         let app = Router::new()
@@ -147,6 +150,11 @@ impl FakeProvider {
 
     pub fn requests(&self) -> Vec<Value> {
         self.shared.requests.lock().unwrap().clone()
+    }
+
+    /// When each of `requests` arrived.
+    pub fn arrivals(&self) -> Vec<std::time::Instant> {
+        self.shared.arrivals.lock().unwrap().clone()
     }
 
     /// The requests of a run that must have `ended` completed (they are
@@ -650,6 +658,11 @@ fn check_openai(request: &Value) -> Result<(), (String, String)> {
 
 fn answer(shared: &Arc<Shared>, request: Value) -> Response {
     shared.requests.lock().unwrap().push(request);
+    shared
+        .arrivals
+        .lock()
+        .unwrap()
+        .push(std::time::Instant::now());
     let reply = shared.script.lock().unwrap().pop_front();
     if let (Wire::Anthropic, Some(Reply::Stream { sse, .. })) = (shared.wire, &reply) {
         let blocks = blocks_of_sse(sse);

@@ -19,6 +19,7 @@ use tether::runtime::history::{self, History, SUMMARY_HEADING};
 use tether::store::Actor;
 use tether::store::Store;
 use tether::store::commands::{self, NewConversation, NewMessage};
+use tether::store::commit::PENDING_POS;
 use tether::store::entities::{interaction, message, part, run, summary, tool_call};
 use uuid::Uuid;
 
@@ -99,6 +100,7 @@ impl Conversation {
             client_message_id: Set(None),
             created_at: Set(0),
             run_seq: Set(run.seq),
+            pos: Set(1),
         }
         .insert(db)
         .await
@@ -538,8 +540,13 @@ async fn the_reads_of_a_step_and_of_a_page_search_indexes() {
             "(conversation_id=? AND seq>?)",
         ),
         (
-            "SELECT * FROM messages WHERE run_id = 'r' AND role = 'ASSISTANT' LIMIT 1",
-            "messages_run (run_id=?)",
+            "SELECT * FROM messages WHERE run_id = 'r' AND role = 'ASSISTANT' \
+             ORDER BY pos DESC LIMIT 1",
+            "messages_run_pos (run_id=?)",
+        ),
+        (
+            &format!("SELECT * FROM messages WHERE run_id = 'r' AND pos >= {PENDING_POS}"),
+            "messages_run_pos (run_id=? AND pos>?)",
         ),
         (
             &format!(

@@ -12,6 +12,7 @@ mod cors;
 mod crash;
 mod deploy;
 mod downstream;
+mod during_a_run;
 mod fakes;
 mod graphiql;
 mod history_tail;

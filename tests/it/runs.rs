@@ -202,6 +202,8 @@ async fn cancelling_a_streaming_run_keeps_what_was_streamed() {
     );
 }
 
+/// The running run is asked to stop (its worker ends it `INTERRUPTED`
+/// with what it streamed), and the new run starts only after that.
 #[tokio::test]
 async fn interrupt_ends_the_running_run_first_then_runs_the_new_one() {
     let server = Server::start_workers(WORKER_CONFIG).await;
@@ -222,20 +224,34 @@ async fn interrupt_ends_the_running_run_first_then_runs_the_new_one() {
         .as_str()
         .unwrap()
         .to_owned();
-    let data = server
-        .gql(
-            &token,
-            "query($r: ID!) { run(id: $r) { status endCause } }",
-            json!({ "r": first }),
-        )
-        .await;
+    let ended = server.wait_until_ended(&token, &first).await;
     assert_eq!(
-        data["run"],
-        json!({ "status": "CANCELLED", "endCause": "INTERRUPTED" })
+        (&ended["status"], &ended["endCause"]),
+        (&json!("CANCELLED"), &json!("INTERRUPTED")),
+        "{ended}"
     );
     assert_eq!(
         server.wait_until_ended(&token, &second).await["status"],
         "COMPLETED"
+    );
+    let times = |run: &str| {
+        let (server, token) = (&server, &token);
+        let run = run.to_owned();
+        async move {
+            server
+                .gql(
+                    token,
+                    "query($r: ID!) { run(id: $r) { startedAt endedAt } }",
+                    json!({ "r": run }),
+                )
+                .await["run"]
+                .clone()
+        }
+    };
+    let (old, new) = (times(&first).await, times(&second).await);
+    assert!(
+        old["endedAt"].as_str() <= new["startedAt"].as_str(),
+        "the new run started before the old one ended: {old} {new}"
     );
     let parts = server.reply_parts(&token, &conversation, &first).await;
     assert!(parts.iter().all(|p| p["state"] == "DONE"), "{parts:?}");

@@ -11,6 +11,7 @@ use super::WriteTx;
 use super::calls::close_unfinished;
 use super::parts::{part_event_for, reply_message, show_at_end, utf16_len};
 use super::pending::cancel_pending;
+use super::steer;
 use crate::domain::event::{EventBody, EventKind, NewEvent};
 use crate::domain::run::{EndCause, RunError, RunInput, RunStatus, Usage, transition};
 use crate::domain::time::now_millis;
@@ -77,7 +78,10 @@ pub(in crate::store) async fn end(
 }
 
 /// `end` for a caller that has closed the run's parts itself. Every tool
-/// call still without a result gets one here.
+/// call still without a result gets one here, and every message steered
+/// into the run that no step boundary took gets a run of its own. A run
+/// cancelled because a message interrupted it ends `INTERRUPTED`, whoever
+/// commits its end.
 pub(in crate::store) async fn end_closed(
     tx: &WriteTx,
     row: run::Model,
@@ -86,6 +90,10 @@ pub(in crate::store) async fn end_closed(
     reason: Option<String>,
     mut events: Vec<NewEvent>,
 ) -> Result<Vec<NewEvent>> {
+    let cause = match (cause, row.cancel_cause.as_deref()) {
+        (EndCause::Cancelled, Some(asked)) => parse_stored(asked, "cancel cause")?,
+        _ => cause,
+    };
     events.extend(close_unfinished(tx, &row).await?);
     events.extend(cancel_pending(tx, &row).await?);
     // A failure is shown where the reply is read, not only on the run.
@@ -142,6 +150,7 @@ pub(in crate::store) async fn end_closed(
     active.update(&**tx).await?;
     tx.count_run_end(to, cause);
     events.extend(NewEvent::run_status(run_id, to));
+    steer::queue_waiting(tx, &row, &mut events).await?;
     Ok(events)
 }
 

@@ -16,6 +16,7 @@ mod group;
 mod parts;
 mod pending;
 mod start;
+mod steer;
 
 pub use audit::OperatorAction;
 pub(in crate::store) use audit::record as record_operator_action;
@@ -36,6 +37,10 @@ pub(in crate::store) use pending::{
 };
 pub use start::Begun;
 pub(in crate::store) use start::{open_text_part, start};
+pub use steer::PENDING_POS;
+pub(in crate::store) use steer::{
+    NewRun, insert_queued_run, join as join_steered, wait_for_boundary,
+};
 
 use std::sync::PoisonError;
 use std::sync::atomic::Ordering;

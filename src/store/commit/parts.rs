@@ -36,7 +36,8 @@ pub fn utf16_len(text: &str) -> i64 {
     text.encode_utf16().count() as i64
 }
 
-/// The run's assistant message (made by its first `begin`).
+/// The message the run's reply is written into now (made by its first
+/// `begin`, or the latest after steered messages joined).
 pub(in crate::store) async fn assistant_message(tx: &WriteTx, row: &run::Model) -> Result<Uuid> {
     reply_message(tx, row).await?.ok_or(Error::NotFound)
 }
@@ -86,7 +87,8 @@ pub(in crate::store) async fn show_at_end(
     }
 }
 
-/// The run's assistant message, if its first `begin` made it.
+/// The message the run's reply is written into now, if its first `begin`
+/// made one: the latest of its assistant messages.
 pub(in crate::store) async fn reply_message(
     tx: &WriteTx,
     row: &run::Model,
@@ -94,6 +96,7 @@ pub(in crate::store) async fn reply_message(
     Ok(message::Entity::find()
         .filter(message::Column::RunId.eq(row.id))
         .filter(message::Column::Role.eq(MessageRole::Assistant.as_str()))
+        .order_by_desc(message::Column::Pos)
         .one(&**tx)
         .await?
         .map(|m| m.id))

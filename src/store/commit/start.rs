@@ -10,7 +10,8 @@ use sea_orm::{ColumnTrait, EntityTrait, QueryFilter};
 
 use super::WriteTx;
 use super::end::abandon_open_parts;
-use super::parts::{OpenPart, PartContent, insert_part, next_index, part_event};
+use super::parts::{OpenPart, PartContent, insert_part, next_index, part_event, reply_message};
+use super::steer;
 use crate::domain::cursor::Cursor;
 use crate::domain::event::{EventKind, NewEvent};
 use crate::domain::run::RunStatus;
@@ -32,11 +33,14 @@ pub struct Begun {
     pub cursor: Cursor,
 }
 
-/// Makes the run's assistant message, which all its steps write into, with
-/// `message.created`.
+/// Makes a message for the run's reply at `pos` among the run's messages,
+/// with `message.created`: the first (`pos` 1, after the message that
+/// started the run), or the one the reply goes on in after steered messages
+/// joined.
 pub(in crate::store) async fn assistant_message_new(
     tx: &WriteTx,
     row: &run::Model,
+    pos: i64,
     events: &mut Vec<NewEvent>,
 ) -> Result<Uuid> {
     let id = new_id();
@@ -49,6 +53,7 @@ pub(in crate::store) async fn assistant_message_new(
         client_message_id: Set(None),
         created_at: Set(now_millis()),
         run_seq: Set(row.seq),
+        pos: Set(pos),
     }
     .insert(&**tx)
     .await?;
@@ -88,9 +93,12 @@ pub(in crate::store) async fn open_text_part(
 /// A claim's start inside `tx`: closes what a cut-off attempt left open
 /// (its text stays visible, `DONE`, followed by a `NOTICE`), makes sure the
 /// run has its assistant message, opens a text part, and says
-/// `run.started`. Returns the message and the part, none while a batch of
-/// tool calls of the current step is still to be finished; the cursor is
-/// known once the transaction commits.
+/// `run.started`. A claim that starts at a step boundary (a run resumed
+/// after its question, or recovered after a step ended) takes the messages
+/// steered into the run meanwhile (`steer::join`). Returns the message the
+/// next step writes into and the part, none while a batch of tool calls of
+/// the current step is still to be finished; the cursor is known once the
+/// transaction commits.
 pub(in crate::store) async fn start(
     tx: &WriteTx,
     row: &run::Model,
@@ -100,17 +108,13 @@ pub(in crate::store) async fn start(
     // one): it has no message and no parts yet, so there is nothing to look
     // up or recover.
     if row.lease_epoch == 1 {
-        let message_id = assistant_message_new(tx, row, events).await?;
+        let message_id = assistant_message_new(tx, row, 1, events).await?;
         let part = open_text_part(tx, row, message_id, 0, events).await?;
         events.extend(NewEvent::run_status(row.id, RunStatus::Running));
         return Ok((message_id, Some(part)));
     }
     events.extend(abandon_open_parts(tx, row.id).await?);
-    let existing = message::Entity::find()
-        .filter(message::Column::RunId.eq(row.id))
-        .filter(message::Column::Role.eq(MessageRole::Assistant.as_str()))
-        .one(&**tx)
-        .await?;
+    let existing = reply_message(tx, row).await?;
     // A batch of tool calls in the current step: the step is finished
     // before the model is asked anything, so no text part yet.
     let batch_pending = tool_call::Entity::find()
@@ -119,9 +123,18 @@ pub(in crate::store) async fn start(
         .one(&**tx)
         .await?
         .is_some();
-    let (message_id, index) = match existing {
-        Some(existing) => (existing.id, next_index(tx, existing.id).await?),
-        None => (assistant_message_new(tx, row, events).await?, 0),
+    let steered = if row.steps > 0 && !batch_pending {
+        steer::join(tx, row, events).await?
+    } else {
+        None
+    };
+    let (message_id, index) = match (steered, existing) {
+        (Some(steered), _) => (steered, 0),
+        (None, Some(existing)) => (existing, next_index(tx, existing).await?),
+        (None, None) => {
+            let pos = steer::next_pos(tx, row.id).await?;
+            (assistant_message_new(tx, row, pos, events).await?, 0)
+        }
     };
     let part = if batch_pending {
         None

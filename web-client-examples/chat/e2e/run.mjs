@@ -459,6 +459,35 @@ async function main() {
     await shot("conversation-approvals");
   });
 
+  await step("a message steered into a run that waits for approval is read after the decision", async () => {
+    await newConversation("Steer");
+    await send('/tool demo_publish {"text": "z"}');
+    const card = byId("approval-card");
+    await card.waitFor();
+    await byId("on-active-run").selectOption("STEER");
+    await send("and give it a title");
+    // Still waiting for the decision: the message did not answer it.
+    await card.waitFor();
+    await byId("decide-ALLOW_ONCE").click();
+    await card.waitFor({ state: "detached" });
+    await waitFor(() =>
+      [...document.querySelectorAll('[data-testid="part-text"][data-state="DONE"]')].some((p) =>
+        p.textContent.includes('You said: "and give it a title"'),
+      ),
+    );
+    await page.locator('[data-testid="message-run-status"][data-status="COMPLETED"]').last().waitFor();
+    // The steered message sits where the model read it: after the call, and
+    // before the reply that goes on after it.
+    const roles = await page.evaluate(() => [...document.querySelectorAll('[data-testid="message"]')].map((m) => m.dataset.role));
+    if (JSON.stringify(roles) !== JSON.stringify(["USER", "ASSISTANT", "USER", "ASSISTANT"])) {
+      throw new Error(`unexpected order: ${JSON.stringify(roles)}`);
+    }
+    const texts = await assistantTexts();
+    if (!texts[1]?.includes('You said: "and give it a title"')) throw new Error(`the steered message was not read last: ${JSON.stringify(texts)}`);
+    await byId("on-active-run").selectOption("QUEUE");
+    await shot("conversation-steered");
+  });
+
   await step("a retry indicator for /fail 429", async () => {
     await newConversation("Retry");
     await send("/fail 429");

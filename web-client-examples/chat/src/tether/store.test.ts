@@ -36,6 +36,21 @@ describe("ConversationStore: persisted events", () => {
     expect(store.getSnapshot().messages.map((m) => m.id)).toEqual(["u1", "a1", "u2", "a2", "u3"]);
   });
 
+  it("places steered messages, and the reply that goes on after them, as the server lists them", () => {
+    const store = seeded();
+    // S1 steers r1 while it is still queued, U2 queues r2, r1 starts, S2
+    // steers it; at r1's next step boundary S1 and S2 join and its reply
+    // goes on in a message after them.
+    store.apply(messageCreated(cur(1), "u1", "USER", "r1"));
+    store.apply(messageCreated(cur(2), "s1", "USER", "r1"));
+    store.apply(messageCreated(cur(3), "u2", "USER", "r2"));
+    store.apply(messageCreated(cur(4), "a1", "ASSISTANT", "r1"));
+    store.apply(messageCreated(cur(5), "s2", "USER", "r1"));
+    store.apply(runEvent(cur(6), "run.steered", "RUNNING"));
+    store.apply(messageCreated(cur(7), "a1b", "ASSISTANT", "r1"));
+    expect(store.getSnapshot().messages.map((m) => m.id)).toEqual(["u1", "a1", "s1", "s2", "a1b", "u2"]);
+  });
+
   it("skips events the snapshot already covers", () => {
     const store = new ConversationStore("c1");
     store.seed({ lastCursor: cur(5), messages: [message("m1", [part("p1", "Hi", "DONE")])], runs: [run("r1", "COMPLETED")] });

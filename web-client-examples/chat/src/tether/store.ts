@@ -334,20 +334,22 @@ export class ConversationStore {
 
   /**
    * Puts a message that arrived live where `Conversation.messages` would
-   * list it: a reply right after the message that started its run (it is
-   * made when the run starts, after any message queued meanwhile), any
-   * other message at the end.
+   * list it: a run's first reply right after the message that started the
+   * run (the reply is made when the run starts, after any message queued
+   * meanwhile); a message steered into a run, and the reply that goes on
+   * after steered messages joined, after the run's last message; any other
+   * message at the end.
    */
   private place(id: string): void {
     if (this.order.includes(id)) return;
     const record = this.messages.get(id);
-    if (record?.role === "ASSISTANT" && record.runId) {
-      const question = this.order.findIndex((other) => {
-        const m = this.messages.get(other);
-        return m?.role === "USER" && m.runId === record.runId;
-      });
-      if (question >= 0) {
-        this.order.splice(question + 1, 0, id);
+    const runId = record?.runId;
+    if (record && runId) {
+      const ofRun = this.order.filter((other) => this.messages.get(other)?.runId === runId);
+      const replied = ofRun.some((other) => this.messages.get(other)?.role === "ASSISTANT");
+      const after = record.role === "ASSISTANT" && !replied ? ofRun[0] : ofRun[ofRun.length - 1];
+      if (after !== undefined) {
+        this.order.splice(this.order.indexOf(after) + 1, 0, id);
         return;
       }
     }

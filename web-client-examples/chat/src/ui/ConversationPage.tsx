@@ -164,6 +164,7 @@ function Conversation({ id }: { id: string }) {
             data-testid="on-active-run"
           >
             <option value="QUEUE">queue after it</option>
+            <option value="STEER">steer it (read at its next step)</option>
             <option value="INTERRUPT">interrupt it</option>
             <option value="REJECT">refuse to send</option>
           </select>

@@ -1,0 +1,201 @@
+//! Steered messages (`onActiveRun: STEER`) inside a caller's transaction:
+//! where one waits, how the waiting ones join their run at a step boundary,
+//! and the run of its own each gets when its run ends first. Also the queued
+//! run a message starts, which `sendMessage` makes too.
+
+use sea_orm::ActiveValue::Set;
+use sea_orm::sea_query::{Expr, ExprTrait, SimpleExpr};
+use sea_orm::{ActiveModelTrait, ColumnTrait, EntityTrait, QueryFilter, QueryOrder, QuerySelect};
+use uuid::Uuid;
+
+use super::WriteTx;
+use super::start::assistant_message_new;
+use crate::domain::event::NewEvent;
+use crate::domain::run::RunStatus;
+use crate::domain::time::{new_id, now_millis};
+use crate::store::Result;
+use crate::store::entities::{message, run};
+
+/// `messages.pos` from which a steered message is still waiting for its
+/// run's next step boundary. Joined messages are numbered from 0 up, one by
+/// one, so they never come near it.
+pub const PENDING_POS: i64 = 1 << 40;
+
+/// A run about to be queued for the message that starts it.
+pub(in crate::store) struct NewRun<'a> {
+    pub id: Uuid,
+    pub conversation_id: Uuid,
+    pub tenant: &'a str,
+    pub principal: &'a str,
+    pub agent: &'a str,
+    pub trigger_message_id: Uuid,
+    pub max_attempts: i32,
+    /// Its number, taken under the conversation's lock
+    /// (`WriteTx::lock_conversation_for_run`).
+    pub seq: i64,
+}
+
+/// Stores `new` `QUEUED`. The caller appends its `run.queued`.
+pub(in crate::store) async fn insert_queued_run(
+    tx: &WriteTx,
+    new: NewRun<'_>,
+) -> Result<run::Model> {
+    Ok(run::ActiveModel {
+        id: Set(new.id),
+        conversation_id: Set(new.conversation_id),
+        tenant: Set(new.tenant.to_owned()),
+        principal: Set(new.principal.to_owned()),
+        agent: Set(new.agent.to_owned()),
+        trigger_message_id: Set(new.trigger_message_id),
+        status: Set(RunStatus::Queued.as_str().to_owned()),
+        end_cause: Set(None),
+        error: Set(None),
+        cancel_requested: Set(false),
+        attempt: Set(0),
+        max_attempts: Set(new.max_attempts),
+        next_attempt_at: Set(None),
+        steps: Set(0),
+        input_tokens: Set(0),
+        output_tokens: Set(0),
+        cost_usd: Set(0.0),
+        created_at: Set(now_millis()),
+        started_at: Set(None),
+        ended_at: Set(None),
+        lease_owner: Set(None),
+        lease_epoch: Set(0),
+        lease_expires_at: Set(None),
+        recoveries: Set(0),
+        active_ms: Set(0),
+        end_reason: Set(None),
+        claimed_at: Set(None),
+        seq: Set(new.seq),
+        cancel_cause: Set(None),
+        steering: Set(0),
+    }
+    .insert(&**tx)
+    .await?)
+}
+
+/// Stores a message steered into `run` as waiting for its next step
+/// boundary: returns its place, after every message already waiting, and
+/// counts it on the run (`runs.steering`), which the boundary and the run's
+/// end read before they look for waiting messages.
+pub(in crate::store) async fn wait_for_boundary(tx: &WriteTx, run_id: Uuid) -> Result<i64> {
+    let last = last_pos(tx, run_id, true).await?;
+    set_steering(tx, run_id, Expr::col(run::Column::Steering).add(1)).await?;
+    Ok(last.map_or(PENDING_POS, |pos| pos + 1))
+}
+
+async fn set_steering(tx: &WriteTx, run_id: Uuid, count: impl Into<SimpleExpr>) -> Result<()> {
+    run::Entity::update_many()
+        .col_expr(run::Column::Steering, count.into())
+        .filter(run::Column::Id.eq(run_id))
+        .exec(&**tx)
+        .await?;
+    Ok(())
+}
+
+/// The place of the run's last message that has joined it (its reply, or
+/// a steered message), or of its last waiting one.
+async fn last_pos(tx: &WriteTx, run_id: Uuid, waiting: bool) -> Result<Option<i64>> {
+    let query = message::Entity::find()
+        .select_only()
+        .column(message::Column::Pos)
+        .filter(message::Column::RunId.eq(run_id));
+    let query = if waiting {
+        query.filter(message::Column::Pos.gte(PENDING_POS))
+    } else {
+        query.filter(message::Column::Pos.lt(PENDING_POS))
+    };
+    Ok(query
+        .order_by_desc(message::Column::Pos)
+        .into_tuple::<i64>()
+        .one(&**tx)
+        .await?)
+}
+
+/// The next place among the run's joined messages.
+pub(in crate::store) async fn next_pos(tx: &WriteTx, run_id: Uuid) -> Result<i64> {
+    Ok(last_pos(tx, run_id, false).await?.map_or(0, |pos| pos + 1))
+}
+
+/// The run's messages still waiting for a step boundary, in the order sent.
+async fn waiting(tx: &WriteTx, run_id: Uuid) -> Result<Vec<message::Model>> {
+    Ok(message::Entity::find()
+        .filter(message::Column::RunId.eq(run_id))
+        .filter(message::Column::Pos.gte(PENDING_POS))
+        .order_by_asc(message::Column::Pos)
+        .all(&**tx)
+        .await?)
+}
+
+/// At a step boundary of `row` (an inference and its whole batch of tool
+/// calls committed, never between a call and its result): the messages
+/// steered into it join the run in the order sent, `run.steered` says so,
+/// and the reply goes on in a new message after them, so that every reader
+/// sees them where the model reads them. Returns that message; `None`, and
+/// nothing written, when no message was waiting.
+pub(in crate::store) async fn join(
+    tx: &WriteTx,
+    row: &run::Model,
+    events: &mut Vec<NewEvent>,
+) -> Result<Option<Uuid>> {
+    if row.steering == 0 {
+        return Ok(None);
+    }
+    let waiting = waiting(tx, row.id).await?;
+    set_steering(tx, row.id, Expr::value(0)).await?;
+    if waiting.is_empty() {
+        return Ok(None);
+    }
+    let mut pos = next_pos(tx, row.id).await?;
+    for steered in waiting {
+        let mut active: message::ActiveModel = steered.into();
+        active.pos = Set(pos);
+        active.update(&**tx).await?;
+        pos += 1;
+    }
+    events.push(NewEvent::run_steered(row.id));
+    Ok(Some(assistant_message_new(tx, row, pos, events).await?))
+}
+
+/// `row` ends before a step boundary took its steered messages: each gets
+/// a `QUEUED` run of its own, as if it had been sent with `QUEUE`, in the
+/// order sent, so none is dropped.
+pub(in crate::store) async fn queue_waiting(
+    tx: &WriteTx,
+    row: &run::Model,
+    events: &mut Vec<NewEvent>,
+) -> Result<()> {
+    if row.steering == 0 {
+        return Ok(());
+    }
+    set_steering(tx, row.id, Expr::value(0)).await?;
+    for steered in waiting(tx, row.id).await? {
+        let seq = tx
+            .lock_conversation_for_run(row.conversation_id, &row.tenant)
+            .await?
+            .run_seq;
+        let run = insert_queued_run(
+            tx,
+            NewRun {
+                id: new_id(),
+                conversation_id: row.conversation_id,
+                tenant: &row.tenant,
+                principal: &row.principal,
+                agent: &row.agent,
+                trigger_message_id: steered.id,
+                max_attempts: row.max_attempts,
+                seq,
+            },
+        )
+        .await?;
+        let mut active: message::ActiveModel = steered.into();
+        active.run_id = Set(Some(run.id));
+        active.run_seq = Set(seq);
+        active.pos = Set(0);
+        active.update(&**tx).await?;
+        events.extend(NewEvent::run_status(run.id, RunStatus::Queued));
+    }
+    Ok(())
+}
