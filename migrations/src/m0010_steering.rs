@@ -13,7 +13,9 @@ pub struct Migration;
 /// message still waiting for its boundary has a place far beyond any joined
 /// one (the store's `PENDING_POS` and up), in the order it was sent.
 /// `runs.steering` counts the messages waiting to steer a run, so that
-/// a step boundary or a run's end looks for them only when there are some.
+/// a step boundary or a run's end looks for them only when there are some;
+/// `runs.steered` says some joined it, so that its end looks for those the
+/// model never answered.
 ///
 /// A run that a new message interrupts while a worker holds it is asked to
 /// stop, not ended under the worker: `runs.cancel_cause` says why a cancel
@@ -31,6 +33,24 @@ enum Runs {
     Table,
     CancelCause,
     Steering,
+    Steered,
+}
+
+/// The runs' new columns.
+fn run_columns() -> [ColumnDef; 3] {
+    [
+        ColumnDef::new(Runs::CancelCause).string().null().to_owned(),
+        ColumnDef::new(Runs::Steering)
+            .integer()
+            .not_null()
+            .default(0)
+            .to_owned(),
+        ColumnDef::new(Runs::Steered)
+            .boolean()
+            .not_null()
+            .default(false)
+            .to_owned(),
+    ]
 }
 
 #[async_trait::async_trait]
@@ -50,22 +70,9 @@ impl MigrationTrait for Migration {
         let db = manager.get_connection();
         db.execute_unprepared("UPDATE messages SET pos = 1 WHERE role = 'ASSISTANT'")
             .await?;
-        add_column(
-            manager,
-            Runs::Table,
-            ColumnDef::new(Runs::CancelCause).string().null().to_owned(),
-        )
-        .await?;
-        add_column(
-            manager,
-            Runs::Table,
-            ColumnDef::new(Runs::Steering)
-                .integer()
-                .not_null()
-                .default(0)
-                .to_owned(),
-        )
-        .await?;
+        for column in run_columns() {
+            add_column(manager, Runs::Table, column).await?;
+        }
         // A run's messages by place: its reply (the last one), the steered
         // messages waiting for it. Replaces m0007's `(run_id)`.
         manager
@@ -98,30 +105,19 @@ impl MigrationTrait for Migration {
                     .to_owned(),
             )
             .await?;
-        manager
-            .alter_table(
-                Table::alter()
-                    .table(Runs::Table)
-                    .drop_column(Runs::CancelCause)
-                    .to_owned(),
-            )
-            .await?;
-        manager
-            .alter_table(
-                Table::alter()
-                    .table(Runs::Table)
-                    .drop_column(Runs::Steering)
-                    .to_owned(),
-            )
-            .await?;
-        manager
-            .alter_table(
-                Table::alter()
-                    .table(Messages::Table)
-                    .drop_column(Messages::Pos)
-                    .to_owned(),
-            )
-            .await?;
+        // One column a statement: SQLite alters one at a time.
+        let columns = run_columns().map(|c| (Runs::Table.into_iden(), c.get_column_name()));
+        let pos = (Messages::Table.into_iden(), Messages::Pos.to_string());
+        for (table, column) in columns.into_iter().chain([pos]) {
+            manager
+                .alter_table(
+                    Table::alter()
+                        .table(table)
+                        .drop_column(Alias::new(column))
+                        .to_owned(),
+                )
+                .await?;
+        }
         Ok(())
     }
 }

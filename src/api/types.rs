@@ -189,6 +189,14 @@ impl Message {
         DateTime(self.row.created_at)
     }
 
+    /// True while a message sent with `onActiveRun: STEER` waits for its
+    /// run's next step boundary, where the run reads it (`run.steered`); if
+    /// the run ends first, the message gets a run of its own and this turns
+    /// false.
+    async fn steering(&self) -> bool {
+        self.row.pos >= crate::store::commit::PENDING_POS
+    }
+
     /// The message's parts, in order.
     #[graphql(complexity = "cost::list(cost::PARTS_PER_MESSAGE, child_complexity)")]
     async fn parts(&self, ctx: &Context<'_>) -> ApiResult<Vec<Part>> {

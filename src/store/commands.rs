@@ -116,11 +116,14 @@ async fn send_in(
             }
         }
         ActiveRunStrategy::Steer => {
-            // With no active run, as QUEUE.
+            // With no active run, as QUEUE; also when another person's run
+            // is active: a run acts with its principal's connections and
+            // grants, which a message of someone else's must not direct.
             steered = unended_locked(tx, &actor.tenant, conversation.id)
                 .await?
                 .into_iter()
-                .next();
+                .next()
+                .filter(|active| active.principal == actor.principal);
         }
         ActiveRunStrategy::Interrupt => {
             for row in unended_locked(tx, &actor.tenant, conversation.id).await? {
@@ -130,12 +133,10 @@ async fn send_in(
                     // when it has (or, should it be gone, the claim after
                     // its lease lapses does). The new run waits behind it,
                     // so no two runs' effects overlap.
-                    if !row.cancel_requested {
-                        let mut active: run::ActiveModel = row.clone().into();
-                        active.cancel_requested = Set(true);
-                        active.cancel_cause = Set(Some(EndCause::Interrupted.as_str().to_owned()));
-                        active.update(&**tx).await?;
-                    }
+                    let mut active: run::ActiveModel = row.clone().into();
+                    active.cancel_requested = Set(true);
+                    active.cancel_cause = Set(Some(EndCause::Interrupted.as_str().to_owned()));
+                    active.update(&**tx).await?;
                     tx.notify_cancel(row.id).await?;
                 } else {
                     events.extend(commit::end(tx, row, EndCause::Interrupted, None).await?);

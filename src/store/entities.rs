@@ -139,6 +139,9 @@ pub mod run {
         /// How many messages wait to steer the run at its next step
         /// boundary (`onActiveRun: STEER`).
         pub steering: i32,
+        /// Whether messages ever joined the run at a step boundary: its end
+        /// then looks for those no answer of the model followed.
+        pub steered: bool,
     }
 
     #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]

@@ -126,9 +126,13 @@ async fn claim_in<C: ConnectionTrait>(
     };
     // Named columns, not `*`: sqlx's SQLite driver keeps the column list it
     // saw when it first prepared a statement, and a `*` that grew under it
-    // (a migration on another connection) reads past that list.
+    // (a migration on another connection) reads past that list. Qualified,
+    // not quoted: a connection whose schema predates a migration would
+    // compile a quoted name it does not know yet as a string literal
+    // (SQLite's double-quoted strings), where an unknown qualified column
+    // makes SQLite read the schema again and prepare anew.
     let columns = run::Column::iter()
-        .map(|c| format!("\"{}\"", c.as_str()))
+        .map(|c| format!("runs.{}", c.as_str()))
         .collect::<Vec<_>>()
         .join(", ");
     let (p_owner, p_expires, p_claimed, p_started, p_due) =
@@ -315,7 +319,7 @@ fn still_stale(row: &run::Model, which: Reclaim<'_>, now: i64) -> bool {
 /// still stale (`which` listing found it; `None`: this process gives up a
 /// lease it holds); false if it moved or was renewed. The recovery counts
 /// against `budget`, and a run over it ends `FAILED`; without one it does
-/// not count.
+/// not count. A run asked to stop ends instead, with the cause asked.
 async fn recover(
     store: &Store,
     seen: run::Model,
@@ -342,7 +346,14 @@ async fn recover(
     let held_until = row.lease_expires_at.unwrap_or(now).min(now);
     let active_ms = row.active_ms + (held_until - row.claimed_at.unwrap_or(held_until)).max(0);
     let counted = budget.is_some();
-    let events = if budget.is_some_and(|budget| row.recoveries as u32 >= budget) {
+    let events = if row.cancel_requested {
+        // Asked to stop (`cancelRun`, or a message that interrupts it) and
+        // its worker is gone: it ends now, as the worker would have ended it.
+        tracing::info!(run_id = %row.id, "ending a cancelled run whose worker is gone");
+        let mut ended = row;
+        ended.active_ms = active_ms;
+        commit::end(&tx, ended, EndCause::Cancelled, None).await?
+    } else if budget.is_some_and(|budget| row.recoveries as u32 >= budget) {
         tracing::warn!(run_id = %row.id, recoveries = row.recoveries, "recovery budget exhausted");
         let error = RunError {
             code: EndCause::RecoveryLimit.as_str().to_owned(),

@@ -18,7 +18,7 @@ use crate::support::{PATIENCE, Server, ServerOptions, http_client, of_type};
 use crate::tools::{tool_calls, tool_sections};
 
 const SEND: &str = "mutation($c: ID!, $t: String!, $k: String, $s: ActiveRunStrategy) { sendMessage(input: {conversationId: $c, text: $t, clientMessageId: $k, onActiveRun: $s}) { message { id runId } run { id status } } }";
-const MESSAGES: &str = "query($c: ID!) { conversation(id: $c) { runs { id status } messages { id role runId parts { kind text } } } }";
+const MESSAGES: &str = "query($c: ID!) { conversation(id: $c) { runs { id status } messages { id role runId steering parts { kind text } } } }";
 const DECIDE: &str = "mutation($i: ID!) { decideApproval(input: {interactionId: $i, decision: ALLOW_ONCE}) { resumed } }";
 const ANSWER: &str = "mutation($i: ID!) { answerQuestion(input: {interactionId: $i, answers: [{key: \"name\", values: [], other: \"Tether\"}]}) { resumed } }";
 
@@ -31,11 +31,13 @@ fn publish_tool(downstream: &Downstream) -> String {
 }
 
 /// The configuration of an Anthropic agent on `fake` with the test tools,
-/// the gated `publish` and `ask_questions`.
-fn config(fake: &FakeProvider, downstream: &Downstream, runtime: &str) -> String {
-    let agent = "idle_timeout_secs = 5\ntools = [\"ask_questions\", \"slow\", \"effect\", \"held\", \"publish\"]";
+/// the gated `publish` and `ask_questions`; `agent` adds to the agent.
+fn config(fake: &FakeProvider, downstream: &Downstream, runtime: &str, agent: &str) -> String {
+    let agent = format!(
+        "idle_timeout_secs = 5\ntools = [\"ask_questions\", \"slow\", \"effect\", \"held\", \"hang\", \"publish\"]\n{agent}"
+    );
     let tools = format!("{}{}", tool_sections(downstream), publish_tool(downstream));
-    model_config("anthropic", &fake.base_url, runtime, agent, &tools)
+    model_config("anthropic", &fake.base_url, runtime, &agent, &tools)
 }
 
 /// A fake Anthropic playing `replies`, the downstream service, a server
@@ -52,12 +54,26 @@ impl Scene {
     /// `/slow` calls answer once `slow_until` requests reached the
     /// downstream service.
     async fn start(replies: impl IntoIterator<Item = Reply>, slow_until: usize) -> Scene {
+        Scene::start_with(replies, slow_until, "").await
+    }
+
+    /// `start`, with `agent` added to the agent's configuration.
+    async fn start_with(
+        replies: impl IntoIterator<Item = Reply>,
+        slow_until: usize,
+        agent: &str,
+    ) -> Scene {
         let fake = FakeProvider::start(Wire::Anthropic).await;
         fake.script(replies);
         let downstream = Downstream::start().await;
         downstream.slow_until(slow_until);
         let server = Server::start_with(ServerOptions {
-            config: config(&fake, &downstream, "lease_secs = 3\nheartbeat_secs = 0.5"),
+            config: config(
+                &fake,
+                &downstream,
+                "lease_secs = 3\nheartbeat_secs = 0.5",
+                agent,
+            ),
             env: vec![key_env()],
             role: "all",
         })
@@ -79,6 +95,16 @@ impl Scene {
             .send(&self.token, &self.conversation, text)
             .await
             .1
+    }
+
+    /// Sends `text` (`QUEUE`) and waits until the run's call reaches the
+    /// downstream service at `path`; returns the run.
+    async fn send_until_called(&self, text: &str, path: &str) -> String {
+        let run = self.send(text).await;
+        self.downstream
+            .wait_for(path, |d| d.requests_to(path).len() == 1)
+            .await;
+        run
     }
 
     /// Steers the active run with `text`; returns the message's id and the
@@ -289,11 +315,7 @@ fn position(types: &[String], kind: &str) -> usize {
 async fn two_steered_messages_reach_the_next_step_after_the_batch_results_in_order() {
     let call = FakeToolCall::new("toolu_1", "slow", json!({ "text": "a" }));
     let scene = Scene::start(call_then_answer("Working.", call, "Done, shorter."), 2).await;
-    let run = scene.send("Write the report.").await;
-    scene
-        .downstream
-        .wait_for("the slow call", |d| d.requests_to("/slow").len() == 1)
-        .await;
+    let run = scene.send_until_called("Write the report.", "/slow").await;
 
     let (first, answered) = scene
         .send_with("Make it shorter.", "STEER", Some("steer-1"))
@@ -320,6 +342,8 @@ async fn two_steered_messages_reach_the_next_step_after_the_batch_results_in_ord
             said("USER", "And in French."),
         ]
     );
+    let waiting: Vec<&Value> = messages.iter().map(|m| &m["steering"]).collect();
+    assert_eq!(waiting, [false, false, true, true]);
 
     release_slow(&scene.downstream).await;
     let ended = scene.wait_until_ended(&run).await;
@@ -352,6 +376,10 @@ async fn two_steered_messages_reach_the_next_step_after_the_batch_results_in_ord
         ]
     );
     assert!(messages.iter().all(|m| m["runId"] == run.as_str()));
+    assert!(
+        messages.iter().all(|m| m["steering"] == false),
+        "{messages:?}"
+    );
     assert_eq!(messages[1]["parts"][1]["kind"], "TOOL_CALL");
 
     let events = scene.events().await;
@@ -367,41 +395,47 @@ async fn two_steered_messages_reach_the_next_step_after_the_batch_results_in_ord
 }
 
 /// A steered message that no step boundary reaches (the run answers
-/// without tools) gets a run of its own, queued as the run ends, and is
-/// read by it; nothing says `run.steered`.
+/// without tools) gets a run of its own, queued as the run ends, right
+/// after it and before a message queued after the steered one was sent;
+/// nothing says `run.steered`, and readers see nothing move.
 #[tokio::test]
-async fn a_steered_message_the_run_ends_before_gets_a_run_of_its_own() {
+async fn a_steered_message_the_run_ends_before_gets_a_run_of_its_own_in_the_order_sent() {
     let slow = Reply::Stream {
         sse: anthropic_sse(&["A slow ", "first ", "answer."], 10, 5),
         chunk_bytes: 20,
         pause: Duration::from_millis(40),
     };
-    let then = Reply::sse(anthropic_sse(&["Second answer."], 10, 5), 64);
-    let scene = Scene::start([slow, then], 0).await;
+    let second = Reply::sse(anthropic_sse(&["Second answer."], 10, 5), 64);
+    let third = Reply::sse(anthropic_sse(&["Third answer."], 10, 5), 64);
+    let scene = Scene::start([slow, second, third], 0).await;
     let first = scene.send("First.").await;
     wait_for_request(&scene.fake, 1).await;
     let (steered, run) = scene.steer("Also this.").await;
     assert_eq!(run, first, "the first run was still streaming");
+    let queued = scene.send("Then this.").await;
     let ended = scene.wait_until_ended(&first).await;
+    assert_eq!(ended["status"], "COMPLETED", "{ended}");
+    let ended = scene.wait_until_ended(&queued).await;
     assert_eq!(ended["status"], "COMPLETED", "{ended}");
 
     let (messages, runs) = scene.listed().await;
-    assert_eq!(runs.len(), 2, "{runs:?}");
-    let own = runs[1]["id"].as_str().unwrap().to_owned();
-    let ended = scene.wait_until_ended(&own).await;
-    assert_eq!(ended["status"], "COMPLETED", "{ended}");
+    let ids: Vec<&str> = runs.iter().map(|r| r["id"].as_str().unwrap()).collect();
+    assert_eq!(ids.len(), 3, "{runs:?}");
+    assert_eq!(
+        (ids[0], ids[2]),
+        (first.as_str(), queued.as_str()),
+        "{runs:?}"
+    );
+    let own = ids[1];
     let message = messages
         .iter()
         .find(|m| m["id"] == steered.as_str())
         .unwrap();
-    assert_eq!(
-        message["runId"],
-        own.as_str(),
-        "the message starts its own run"
-    );
+    assert_eq!(message["runId"], own, "the message starts its own run");
+    assert_eq!(message["steering"], false);
 
     let requests = scene.fake.requests();
-    assert_eq!(requests.len(), 2);
+    assert_eq!(requests.len(), 3);
     assert_eq!(
         blocks(&requests[1]),
         [
@@ -410,7 +444,14 @@ async fn a_steered_message_the_run_ends_before_gets_a_run_of_its_own() {
             block("user", "text", "Also this."),
         ]
     );
-    let (messages, _) = scene.listed().await;
+    assert_eq!(
+        blocks(&requests[2])[2..],
+        [
+            block("user", "text", "Also this."),
+            block("assistant", "text", "Second answer."),
+            block("user", "text", "Then this."),
+        ]
+    );
     assert_eq!(
         as_read(&messages),
         [
@@ -418,6 +459,8 @@ async fn a_steered_message_the_run_ends_before_gets_a_run_of_its_own() {
             said("ASSISTANT", "A slow first answer."),
             said("USER", "Also this."),
             said("ASSISTANT", "Second answer."),
+            said("USER", "Then this."),
+            said("ASSISTANT", "Third answer."),
         ]
     );
     let events = scene.events().await;
@@ -426,7 +469,136 @@ async fn a_steered_message_the_run_ends_before_gets_a_run_of_its_own() {
     let types = event_types(&events);
     let completed = position(&types, "run.completed");
     assert_eq!(types[completed + 1], "run.queued", "{types:?}");
-    assert_eq!(events[completed + 1]["runId"], own.as_str());
+    assert_eq!(events[completed + 1]["runId"], own);
+}
+
+/// A message that joins at the step boundary where the run then reaches its
+/// step limit is not answered by it: it gets a run of its own.
+#[tokio::test]
+async fn a_steered_message_joined_at_the_last_step_gets_a_run_of_its_own() {
+    let call = FakeToolCall::new("toolu_1", "slow", json!({ "text": "a" }));
+    let scene = Scene::start_with(
+        call_then_answer("Working.", call, "Answered."),
+        2,
+        "[agents.limits]\nmax_steps = 1",
+    )
+    .await;
+    let run = scene.send_until_called("Go.", "/slow").await;
+    let (steered, _) = scene.steer("One more thing.").await;
+    release_slow(&scene.downstream).await;
+    let ended = scene.wait_until_ended(&run).await;
+    assert_eq!(ended["endCause"], "STEP_LIMIT", "{ended}");
+
+    let (_, runs) = scene.listed().await;
+    assert_eq!(runs.len(), 2, "{runs:?}");
+    let own = runs[1]["id"].as_str().unwrap().to_owned();
+    let ended = scene.wait_until_ended(&own).await;
+    assert_eq!(ended["status"], "COMPLETED", "{ended}");
+    let (messages, _) = scene.listed().await;
+    let message = messages
+        .iter()
+        .find(|m| m["id"] == steered.as_str())
+        .unwrap();
+    assert_eq!(message["runId"], own.as_str());
+    let requests = scene.fake.requests();
+    assert_eq!(requests.len(), 2, "the limited run asked nothing more");
+    assert_eq!(
+        blocks(&requests[1]).last().unwrap(),
+        &block("user", "text", "One more thing.")
+    );
+}
+
+/// A message steered into a run that a later message interrupts stays
+/// where it is, unanswered, like the messages of runs an interrupt ends:
+/// the interrupting message's run reads it before its own, and it gets no
+/// run.
+#[tokio::test]
+async fn a_steered_message_of_an_interrupted_run_is_read_by_the_interrupting_run() {
+    let call = FakeToolCall::new("toolu_1", "hang", json!({ "text": "a" }));
+    let scene = Scene::start(call_then_answer("Working.", call, "Instead."), 0).await;
+    let run = scene.send_until_called("Go.", "/hang").await;
+    let (steered, _) = scene.steer("Steered.").await;
+    let (_, interrupting) = scene.send_with("Stop, do this.", "INTERRUPT", None).await;
+    let interrupting = interrupting["id"].as_str().unwrap().to_owned();
+    let ended = scene.wait_until_ended(&run).await;
+    assert_eq!(ended["endCause"], "INTERRUPTED", "{ended}");
+    let ended = scene.wait_until_ended(&interrupting).await;
+    assert_eq!(ended["status"], "COMPLETED", "{ended}");
+
+    let (messages, runs) = scene.listed().await;
+    assert_eq!(runs.len(), 2, "{runs:?}");
+    let message = messages
+        .iter()
+        .find(|m| m["id"] == steered.as_str())
+        .unwrap();
+    assert_eq!(message["runId"], run.as_str());
+    assert_eq!(message["steering"], false);
+    let read = blocks(&scene.fake.requests()[1]);
+    assert_eq!(
+        read[read.len() - 2..],
+        [
+            block("user", "text", "Steered."),
+            block("user", "text", "Stop, do this."),
+        ]
+    );
+}
+
+/// A message steered into a run that is still queued is read with the
+/// message that started it, at the run's first request.
+#[tokio::test]
+async fn a_message_steered_into_a_queued_run_is_read_at_its_start() {
+    let fake = FakeProvider::start(Wire::Anthropic).await;
+    fake.script([Reply::sse(anthropic_sse(&["Both read."], 10, 5), 64)]);
+    let downstream = Downstream::start().await;
+    let api = Server::start_with(ServerOptions {
+        config: config(&fake, &downstream, "", ""),
+        env: vec![key_env()],
+        role: "api",
+    })
+    .await;
+    let token = api.token("acme", "ada");
+    let conversation = api.create_conversation(&token).await;
+    let (_, run) = api.send(&token, &conversation, "First.").await;
+    let (_, joined) = send_with(&api, &token, &conversation, "And this.", "STEER", None).await;
+    assert_eq!(joined["id"], run.as_str());
+    assert_eq!(joined["status"], "QUEUED");
+    let _worker = api.companion("worker").await;
+    let ended = api.wait_until_ended(&token, &run).await;
+    assert_eq!(ended["status"], "COMPLETED", "{ended}");
+    assert_eq!(
+        blocks(&fake.requests()[0]),
+        [
+            block("user", "text", "First."),
+            block("user", "text", "And this."),
+        ]
+    );
+}
+
+/// Another person's message cannot steer a run (a run acts with its
+/// principal's connections and grants): it is queued as a run of its own.
+#[tokio::test]
+async fn another_persons_message_is_queued_not_steered() {
+    let slow = Reply::Stream {
+        sse: anthropic_sse(&["Slowly."], 10, 5),
+        chunk_bytes: 20,
+        pause: Duration::from_millis(40),
+    };
+    let scene = Scene::start([slow], 0).await;
+    let run = scene.send("Mine.").await;
+    wait_for_request(&scene.fake, 1).await;
+    let bob = scene.server.token("acme", "bob");
+    let (message, answered) = send_with(
+        &scene.server,
+        &bob,
+        &scene.conversation,
+        "Bob's.",
+        "STEER",
+        None,
+    )
+    .await;
+    assert_ne!(answered["id"], run.as_str(), "{answered}");
+    assert_eq!(answered["status"], "QUEUED");
+    assert_eq!(message["runId"], answered["id"]);
 }
 
 /// SIGKILL while the run's call runs, after a message steered it: the
@@ -437,11 +609,7 @@ async fn a_run_killed_after_a_steering_commit_reads_the_message_once_after_recov
     let call = FakeToolCall::new("toolu_1", "slow", json!({ "text": "a" }));
     // The call is held until a second request: the replay after recovery.
     let mut scene = Scene::start(call_then_answer("Working.", call, "Done."), 2).await;
-    let run = scene.send("Start.").await;
-    scene
-        .downstream
-        .wait_for("the slow call", |d| d.requests_to("/slow").len() == 1)
-        .await;
+    let run = scene.send_until_called("Start.", "/slow").await;
     assert_eq!(scene.steer("Steer once.").await.1, run);
 
     scene.server.kill().await;
@@ -587,7 +755,7 @@ async fn an_interrupted_run_stops_its_call_before_the_next_run_asks_its_model() 
     let downstream = Downstream::start().await;
     let runtime = "lease_secs = 6\nheartbeat_secs = 2";
     let api = Server::start_with(ServerOptions {
-        config: config(&fake, &downstream, runtime),
+        config: config(&fake, &downstream, runtime, ""),
         env: vec![key_env()],
         role: "api",
     })

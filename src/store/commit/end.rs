@@ -79,7 +79,7 @@ pub(in crate::store) async fn end(
 
 /// `end` for a caller that has closed the run's parts itself. Every tool
 /// call still without a result gets one here, and every message steered
-/// into the run that no step boundary took gets a run of its own. A run
+/// into the run that it did not answer is settled (`steer::settle`). A run
 /// cancelled because a message interrupted it ends `INTERRUPTED`, whoever
 /// commits its end.
 pub(in crate::store) async fn end_closed(
@@ -150,7 +150,7 @@ pub(in crate::store) async fn end_closed(
     active.update(&**tx).await?;
     tx.count_run_end(to, cause);
     events.extend(NewEvent::run_status(run_id, to));
-    steer::queue_waiting(tx, &row, &mut events).await?;
+    steer::settle(tx, &row, cause, &mut events).await?;
     Ok(events)
 }
 

@@ -93,9 +93,10 @@ pub(in crate::store) async fn open_text_part(
 /// A claim's start inside `tx`: closes what a cut-off attempt left open
 /// (its text stays visible, `DONE`, followed by a `NOTICE`), makes sure the
 /// run has its assistant message, opens a text part, and says
-/// `run.started`. A claim that starts at a step boundary (a run resumed
-/// after its question, or recovered after a step ended) takes the messages
-/// steered into the run meanwhile (`steer::join`). Returns the message the
+/// `run.started`. A claim whose next step is an inference (a first claim,
+/// a run resumed after its question, one retried or recovered with no batch
+/// to finish) takes the messages steered into the run meanwhile
+/// (`steer::join`). Returns the message the
 /// next step writes into and the part, none while a batch of tool calls of
 /// the current step is still to be finished; the cursor is known once the
 /// transaction commits.
@@ -108,7 +109,12 @@ pub(in crate::store) async fn start(
     // one): it has no message and no parts yet, so there is nothing to look
     // up or recover.
     if row.lease_epoch == 1 {
-        let message_id = assistant_message_new(tx, row, 1, events).await?;
+        // Messages steered into it while it was queued are read with the
+        // message that started it.
+        let message_id = match steer::join(tx, row, events).await? {
+            Some(steered) => steered,
+            None => assistant_message_new(tx, row, 1, events).await?,
+        };
         let part = open_text_part(tx, row, message_id, 0, events).await?;
         events.extend(NewEvent::run_status(row.id, RunStatus::Running));
         return Ok((message_id, Some(part)));
@@ -123,10 +129,10 @@ pub(in crate::store) async fn start(
         .one(&**tx)
         .await?
         .is_some();
-    let steered = if row.steps > 0 && !batch_pending {
-        steer::join(tx, row, events).await?
-    } else {
+    let steered = if batch_pending {
         None
+    } else {
+        steer::join(tx, row, events).await?
     };
     let (message_id, index) = match (steered, existing) {
         (Some(steered), _) => (steered, 0),

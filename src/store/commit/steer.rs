@@ -11,10 +11,12 @@ use uuid::Uuid;
 use super::WriteTx;
 use super::start::assistant_message_new;
 use crate::domain::event::NewEvent;
+use crate::domain::run::EndCause;
 use crate::domain::run::RunStatus;
 use crate::domain::time::{new_id, now_millis};
+use crate::domain::{MessageRole, PartKind};
 use crate::store::Result;
-use crate::store::entities::{message, run};
+use crate::store::entities::{conversation, message, part, run};
 
 /// `messages.pos` from which a steered message is still waiting for its
 /// run's next step boundary. Joined messages are numbered from 0 up, one by
@@ -71,6 +73,7 @@ pub(in crate::store) async fn insert_queued_run(
         seq: Set(new.seq),
         cancel_cause: Set(None),
         steering: Set(0),
+        steered: Set(false),
     }
     .insert(&**tx)
     .await?)
@@ -129,22 +132,28 @@ async fn waiting(tx: &WriteTx, run_id: Uuid) -> Result<Vec<message::Model>> {
         .await?)
 }
 
-/// At a step boundary of `row` (an inference and its whole batch of tool
-/// calls committed, never between a call and its result): the messages
-/// steered into it join the run in the order sent, `run.steered` says so,
-/// and the reply goes on in a new message after them, so that every reader
-/// sees them where the model reads them. Returns that message; `None`, and
-/// nothing written, when no message was waiting.
+/// At a step boundary of `row`, just before an inference (an earlier
+/// inference and its whole batch of tool calls committed, never between a
+/// call and its result): the messages steered into it join the run in the
+/// order sent, `run.steered` says so, and the reply goes on in a new message
+/// after them, so that every reader sees them where the model reads them.
+/// Returns that message; `None`, and nothing written, when no message was
+/// waiting or the run is asked to stop (its end settles them).
 pub(in crate::store) async fn join(
     tx: &WriteTx,
     row: &run::Model,
     events: &mut Vec<NewEvent>,
 ) -> Result<Option<Uuid>> {
-    if row.steering == 0 {
+    if row.steering == 0 || row.cancel_requested {
         return Ok(None);
     }
     let waiting = waiting(tx, row.id).await?;
-    set_steering(tx, row.id, Expr::value(0)).await?;
+    run::Entity::update_many()
+        .col_expr(run::Column::Steering, Expr::value(0))
+        .col_expr(run::Column::Steered, Expr::value(true))
+        .filter(run::Column::Id.eq(row.id))
+        .exec(&**tx)
+        .await?;
     if waiting.is_empty() {
         return Ok(None);
     }
@@ -159,23 +168,48 @@ pub(in crate::store) async fn join(
     Ok(Some(assistant_message_new(tx, row, pos, events).await?))
 }
 
-/// `row` ends before a step boundary took its steered messages: each gets
-/// a `QUEUED` run of its own, as if it had been sent with `QUEUE`, in the
-/// order sent, so none is dropped.
-pub(in crate::store) async fn queue_waiting(
+/// `row` ends: every steered message it did not answer is settled, so that
+/// none is dropped. Those still waiting, and those that joined at a boundary
+/// no answer of the model followed (the run ended at its next step's start:
+/// a step limit, a deadline, a cancel), each get a `QUEUED` run of their
+/// own, right after this run and in the order sent, as if sent with
+/// `QUEUE` before the messages queued meanwhile. A run that a message
+/// interrupts keeps them instead, unanswered where they are, as it keeps
+/// the messages of the runs the interrupt ended: the interrupting message's
+/// run reads them before it.
+pub(in crate::store) async fn settle(
     tx: &WriteTx,
     row: &run::Model,
+    cause: EndCause,
     events: &mut Vec<NewEvent>,
 ) -> Result<()> {
-    if row.steering == 0 {
+    if row.steering == 0 && !row.steered {
         return Ok(());
     }
-    set_steering(tx, row.id, Expr::value(0)).await?;
-    for steered in waiting(tx, row.id).await? {
-        let seq = tx
-            .lock_conversation_for_run(row.conversation_id, &row.tenant)
-            .await?
-            .run_seq;
+    let mut left = if row.steered {
+        unanswered(tx, row).await?
+    } else {
+        Vec::new()
+    };
+    if row.steering > 0 {
+        set_steering(tx, row.id, Expr::value(0)).await?;
+        left.extend(waiting(tx, row.id).await?);
+    }
+    if cause == EndCause::Interrupted {
+        let mut pos = next_pos(tx, row.id).await?;
+        for message in left.into_iter().filter(|m| m.pos >= PENDING_POS) {
+            let mut active: message::ActiveModel = message.into();
+            active.pos = Set(pos);
+            active.update(&**tx).await?;
+            pos += 1;
+        }
+        return Ok(());
+    }
+    if left.is_empty() {
+        return Ok(());
+    }
+    make_room(tx, row, left.len() as i64).await?;
+    for (seq, message) in (row.seq + 1..).zip(left) {
         let run = insert_queued_run(
             tx,
             NewRun {
@@ -184,18 +218,103 @@ pub(in crate::store) async fn queue_waiting(
                 tenant: &row.tenant,
                 principal: &row.principal,
                 agent: &row.agent,
-                trigger_message_id: steered.id,
+                trigger_message_id: message.id,
                 max_attempts: row.max_attempts,
                 seq,
             },
         )
         .await?;
-        let mut active: message::ActiveModel = steered.into();
+        let mut active: message::ActiveModel = message.into();
         active.run_id = Set(Some(run.id));
         active.run_seq = Set(seq);
         active.pos = Set(0);
         active.update(&**tx).await?;
         events.extend(NewEvent::run_status(run.id, RunStatus::Queued));
     }
+    Ok(())
+}
+
+/// The messages that joined `row` at a step boundary and that no answer of
+/// the model followed: after its last reply with something the model said
+/// or asked for in it.
+async fn unanswered(tx: &WriteTx, row: &run::Model) -> Result<Vec<message::Model>> {
+    let joined = message::Entity::find()
+        .filter(message::Column::RunId.eq(row.id))
+        .filter(message::Column::Pos.lt(PENDING_POS))
+        .order_by_asc(message::Column::Pos)
+        .all(&**tx)
+        .await?;
+    let replies: Vec<Uuid> = joined
+        .iter()
+        .filter(|m| m.role == MessageRole::Assistant.as_str())
+        .map(|m| m.id)
+        .collect();
+    let said = part::Entity::find()
+        .filter(part::Column::MessageId.is_in(replies))
+        .filter(part::Column::Abandoned.eq(false))
+        .all(&**tx)
+        .await?;
+    let answered = joined
+        .iter()
+        .filter(|m| {
+            said.iter()
+                .any(|p| p.message_id == m.id && says_something(p))
+        })
+        .map(|m| m.pos)
+        .max()
+        .unwrap_or(0);
+    Ok(joined
+        .into_iter()
+        .filter(|m| m.role == MessageRole::User.as_str() && m.pos > answered)
+        .collect())
+}
+
+/// Whether a reply's part holds something of the model's: text, reasoning,
+/// a tool call or a pause it asked for (not a notice or an error).
+fn says_something(part: &part::Model) -> bool {
+    match part.kind.as_str() {
+        k if k == PartKind::Text.as_str() || k == PartKind::Reasoning.as_str() => {
+            part.text.as_deref().is_some_and(|t| !t.is_empty())
+        }
+        k => k != PartKind::Notice.as_str() && k != PartKind::Error.as_str(),
+    }
+}
+
+/// Moves the runs queued after `row`, and their messages, `n` places
+/// later, so that the `n` runs made for `row`'s steered messages come right
+/// after it. Readers see nothing move: the messages already stood there.
+/// (Every later run is queued: runs execute in order and `row` is the
+/// active one.) In two steps, through negative numbers, because a run's
+/// number is unique within its conversation at every row written.
+async fn make_room(tx: &WriteTx, row: &run::Model, n: i64) -> Result<()> {
+    run::Entity::update_many()
+        .col_expr(run::Column::Seq, Expr::cust(format!("-(seq + {n})")))
+        .filter(run::Column::ConversationId.eq(row.conversation_id))
+        .filter(run::Column::Seq.gt(row.seq))
+        .exec(&**tx)
+        .await?;
+    run::Entity::update_many()
+        .col_expr(run::Column::Seq, Expr::cust("-seq"))
+        .filter(run::Column::ConversationId.eq(row.conversation_id))
+        .filter(run::Column::Seq.lt(0))
+        .exec(&**tx)
+        .await?;
+    message::Entity::update_many()
+        .col_expr(
+            message::Column::RunSeq,
+            Expr::col(message::Column::RunSeq).add(n),
+        )
+        .filter(message::Column::ConversationId.eq(row.conversation_id))
+        .filter(message::Column::RunSeq.gt(row.seq))
+        .exec(&**tx)
+        .await?;
+    conversation::Entity::update_many()
+        .col_expr(
+            conversation::Column::RunSeq,
+            Expr::col(conversation::Column::RunSeq).add(n),
+        )
+        .filter(conversation::Column::Id.eq(row.conversation_id))
+        .exec(&**tx)
+        .await?;
     Ok(())
 }

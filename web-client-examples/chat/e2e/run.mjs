@@ -466,6 +466,8 @@ async function main() {
     await card.waitFor();
     await byId("on-active-run").selectOption("STEER");
     await send("and give it a title");
+    await byId("steering-badge").waitFor();
+    await shot("conversation-steering");
     // Still waiting for the decision: the message did not answer it.
     await card.waitFor();
     await byId("decide-ALLOW_ONCE").click();
@@ -476,6 +478,7 @@ async function main() {
       ),
     );
     await page.locator('[data-testid="message-run-status"][data-status="COMPLETED"]').last().waitFor();
+    await byId("steering-badge").waitFor({ state: "detached" });
     // The steered message sits where the model read it: after the call, and
     // before the reply that goes on after it.
     const roles = await page.evaluate(() => [...document.querySelectorAll('[data-testid="message"]')].map((m) => m.dataset.role));

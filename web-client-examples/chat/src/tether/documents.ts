@@ -64,6 +64,7 @@ export const MessageFields = graphql(`
     role
     runId
     createdAt
+    steering
     parts {
       ...PartFields
     }

@@ -51,6 +51,41 @@ describe("ConversationStore: persisted events", () => {
     expect(store.getSnapshot().messages.map((m) => m.id)).toEqual(["u1", "a1", "s1", "s2", "a1b", "u2"]);
   });
 
+  it("shows a steered message as waiting until its run reads it, whatever an older read says", () => {
+    const store = seeded();
+    store.apply(messageCreated(cur(1), "u1", "USER", "r1"));
+    store.apply(messageCreated(cur(2), "s1", "USER", "r1"));
+    store.receiveMessage(message("s1", [], "USER", { steering: true }));
+    const steering = () => store.getSnapshot().messages.find((m) => m.id === "s1")?.steering;
+    expect(steering()).toBe(true);
+    expect(store.apply(runEvent(cur(3), "run.steered", "RUNNING"))).toEqual([{ kind: "run", id: "r1" }]);
+    expect(steering()).toBe(false);
+    // A read made before run.steered arrives late.
+    store.receiveMessage(message("s1", [], "USER", { steering: true }));
+    expect(steering()).toBe(false);
+    // Also when run.steered came before the first read.
+    store.apply(messageCreated(cur(4), "s2", "USER", "r1"));
+    store.apply(runEvent(cur(5), "run.steered", "RUNNING"));
+    store.receiveMessage(message("s2", [], "USER", { steering: true }));
+    expect(store.getSnapshot().messages.find((m) => m.id === "s2")?.steering).toBe(false);
+  });
+
+  it("reads a steered message again when its run ends without reading it, and lists it with its own run", () => {
+    const store = seeded();
+    store.apply(messageCreated(cur(1), "u1", "USER", "r1"));
+    store.apply(messageCreated(cur(2), "a1", "ASSISTANT", "r1"));
+    store.apply(messageCreated(cur(3), "s1", "USER", "r1"));
+    store.receiveMessage(message("s1", [], "USER", { steering: true }));
+    store.apply(messageCreated(cur(4), "u2", "USER", "r2"));
+    const effects = store.apply(runEvent(cur(5), "run.completed", "COMPLETED"));
+    expect(effects).toContainEqual({ kind: "message", id: "s1" });
+    // Its own run, r3, queued with r1's end: after r2's message.
+    store.receiveMessage(message("s1", [], "USER", { runId: "r3" }));
+    const view = store.getSnapshot().messages;
+    expect(view.map((m) => m.id)).toEqual(["u1", "a1", "u2", "s1"]);
+    expect(view.find((m) => m.id === "s1")).toMatchObject({ runId: "r3", steering: false });
+  });
+
   it("skips events the snapshot already covers", () => {
     const store = new ConversationStore("c1");
     store.seed({ lastCursor: cur(5), messages: [message("m1", [part("p1", "Hi", "DONE")])], runs: [run("r1", "COMPLETED")] });

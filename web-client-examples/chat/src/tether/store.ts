@@ -42,6 +42,8 @@ export interface MessageView {
   role: MessageFieldsFragment["role"];
   runId: string | null;
   createdAt: string;
+  /** Sent with `STEER` and not read by its run yet. */
+  steering: boolean;
   parts: PartView[];
 }
 
@@ -79,6 +81,7 @@ interface MessageRecord {
   role: MessageFieldsFragment["role"];
   runId: string | null;
   createdAt: string;
+  steering: boolean;
   partIds: string[];
 }
 
@@ -123,6 +126,8 @@ export class ConversationStore {
   private approvals = new Map<string, PendingApproval>();
   private connections = new Map<string, PendingConnection>();
   private resolved = new Set<string>();
+  /** Steered messages whose run read them, or ended: a read made earlier does not say they still wait. */
+  private settled = new Set<string>();
   /** The cursor of the newest event applied to each run. */
   private runCursors = new Map<string, string>();
   private listeners = new Set<() => void>();
@@ -206,7 +211,7 @@ export class ConversationStore {
         if (!runId) return [];
         const run = this.runs.get(runId) ?? stubRun(runId, event.conversationId, event.status, event.at);
         this.putRun({ ...run, status: event.status, retry: event.status === "RETRY_PENDING" ? run.retry : null });
-        return [{ kind: "run", id: runId }];
+        return [{ kind: "run", id: runId }, ...this.settleSteering(runId, event.type, event.status)];
       }
       case "RunRetryPending": {
         if (!runId) return [];
@@ -236,6 +241,7 @@ export class ConversationStore {
             role: event.role,
             runId,
             createdAt: event.at,
+            steering: false,
             partIds: [],
           });
           this.place(event.messageId);
@@ -407,14 +413,45 @@ export class ConversationStore {
     const known = this.messages.get(message.id);
     const partIds = message.parts.map((p) => p.id);
     for (const extra of known?.partIds ?? []) if (!partIds.includes(extra)) partIds.push(extra);
+    const runId = message.runId ?? null;
     this.messages.set(message.id, {
       id: message.id,
       role: message.role,
-      runId: message.runId ?? null,
+      runId,
       createdAt: message.createdAt,
+      steering: message.steering && !this.settled.has(message.id),
       partIds,
     });
     for (const part of message.parts) this.upsertPart(part);
+    // A steered message whose run ended before reading it has a run of its
+    // own now, which is listed after the runs before it.
+    if (known && known.runId !== runId && this.order.includes(message.id)) {
+      this.order = this.order.filter((id) => id !== message.id);
+      this.place(message.id);
+    }
+  }
+
+  /**
+   * `run.steered` says the run read every message steered into it. When a
+   * run ends, a steered message it did not answer has a run of its own (or,
+   * after an interrupt, stays unanswered where it is): its messages after
+   * the one that started it are read again, to learn which.
+   */
+  private settleSteering(runId: string, type: string, status: RunStatus): Effect[] {
+    const steered = type === "run.steered";
+    if (!steered && !isEnded(status)) return [];
+    const effects: Effect[] = [];
+    const ofRun = this.order.filter((id) => this.messages.get(id)?.runId === runId);
+    // Every message of the run after the one that started it was steered
+    // into it before this event (a read of it still on its way included).
+    for (const [at, id] of ofRun.entries()) {
+      const record = this.messages.get(id);
+      if (!record || record.role !== "USER" || at === 0) continue;
+      this.settled.add(id);
+      record.steering = false;
+      if (!steered) effects.push({ kind: "message", id });
+    }
+    return effects;
   }
 
   private upsertPart(part: PartFieldsFragment): void {
@@ -476,7 +513,7 @@ export class ConversationStore {
         .filter((p): p is PartView => p !== undefined)
         .map((p) => (p.toolCall ? { ...p, toolCall: this.toolCalls.get(p.toolCall.id) ?? p.toolCall } : p))
         .sort((a, b) => a.index - b.index);
-      messages.push({ id, role: record.role, runId: record.runId, createdAt: record.createdAt, parts });
+      messages.push({ id, role: record.role, runId: record.runId, createdAt: record.createdAt, steering: record.steering, parts });
     }
     const runs = this.runOrder.map((id) => this.runs.get(id)).filter((r): r is RunView => r !== undefined);
     const byCreated = (a: { createdAt: string }, b: { createdAt: string }) => a.createdAt.localeCompare(b.createdAt);

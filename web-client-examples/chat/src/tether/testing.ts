@@ -78,13 +78,20 @@ export const part = (id: string, text: string, state: "STREAMING" | "DONE" = "ST
   connection: null,
 });
 
-export const message = (id: string, parts: PartFieldsFragment[], role: "USER" | "ASSISTANT" = "ASSISTANT"): MessageFieldsFragment => ({
+export const message = (
+  id: string,
+  parts: PartFieldsFragment[],
+  role: "USER" | "ASSISTANT" = "ASSISTANT",
+  more: Partial<MessageFieldsFragment> = {},
+): MessageFieldsFragment => ({
   id,
   conversationId: "c1",
   role,
   runId: "r1",
   createdAt: "2026-01-01T00:00:00Z",
+  steering: false,
   parts,
+  ...more,
 });
 
 export const run = (id: string, status: RunFieldsFragment["status"]): RunFieldsFragment => ({

@@ -112,6 +112,11 @@ export function MessageItem({
             queued: runs after the current one
           </span>
         )}
+        {message.steering && (
+          <span className="badge" data-testid="steering-badge">
+            steering: read at the run's next step
+          </span>
+        )}
         {message.role === "ASSISTANT" && run && (
           <span className="badge" data-testid="message-run-status" data-status={run.status}>
             {run.status.toLowerCase().replace(/_/g, " ")}
