@@ -117,13 +117,14 @@ async fn send_in(
         }
         ActiveRunStrategy::Steer => {
             // With no active run, as QUEUE; also when another person's run
-            // is active: a run acts with its principal's connections and
-            // grants, which a message of someone else's must not direct.
+            // is active (a run acts with its principal's connections and
+            // grants, which a message of someone else's must not direct) or
+            // the active run is asked to stop.
             steered = unended_locked(tx, &actor.tenant, conversation.id)
                 .await?
                 .into_iter()
                 .next()
-                .filter(|active| active.principal == actor.principal);
+                .filter(|active| active.principal == actor.principal && !active.cancel_requested);
         }
         ActiveRunStrategy::Interrupt => {
             for row in unended_locked(tx, &actor.tenant, conversation.id).await? {

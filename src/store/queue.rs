@@ -429,7 +429,11 @@ pub async fn requeue(
     let later_started = run::Entity::find()
         .filter(run::Column::ConversationId.eq(row.conversation_id))
         .filter(run::Column::Seq.gt(row.seq))
-        .filter(run::Column::Status.ne(RunStatus::Queued.as_str()))
+        .filter(
+            sea_orm::Condition::any()
+                .add(run::Column::Status.ne(RunStatus::Queued.as_str()))
+                .add(run::Column::StartedAt.is_not_null()),
+        )
         .one(&*tx)
         .await?;
     if later_started.is_some() {

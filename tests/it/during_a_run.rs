@@ -508,37 +508,49 @@ async fn a_steered_message_joined_at_the_last_step_gets_a_run_of_its_own() {
     );
 }
 
-/// A message steered into a run that a later message interrupts stays
-/// where it is, unanswered, like the messages of runs an interrupt ends:
-/// the interrupting message's run reads it before its own, and it gets no
-/// run.
+/// A message steered into a run that a later message interrupts gets a
+/// run of its own, as every steered message the run did not answer, but
+/// after the interrupting message's run, which goes first as the interrupt
+/// asked.
 #[tokio::test]
-async fn a_steered_message_of_an_interrupted_run_is_read_by_the_interrupting_run() {
+async fn a_steered_message_of_an_interrupted_run_runs_after_the_interrupting_one() {
     let call = FakeToolCall::new("toolu_1", "hang", json!({ "text": "a" }));
-    let scene = Scene::start(call_then_answer("Working.", call, "Instead."), 0).await;
+    let [first, second] = call_then_answer("Working.", call, "Instead.");
+    let third = Reply::sse(anthropic_sse(&["Steered too."], 10, 5), 64);
+    let scene = Scene::start([first, second, third], 0).await;
     let run = scene.send_until_called("Go.", "/hang").await;
     let (steered, _) = scene.steer("Steered.").await;
     let (_, interrupting) = scene.send_with("Stop, do this.", "INTERRUPT", None).await;
     let interrupting = interrupting["id"].as_str().unwrap().to_owned();
     let ended = scene.wait_until_ended(&run).await;
     assert_eq!(ended["endCause"], "INTERRUPTED", "{ended}");
-    let ended = scene.wait_until_ended(&interrupting).await;
-    assert_eq!(ended["status"], "COMPLETED", "{ended}");
 
-    let (messages, runs) = scene.listed().await;
-    assert_eq!(runs.len(), 2, "{runs:?}");
+    let (_, runs) = scene.listed().await;
+    let ids: Vec<&str> = runs.iter().map(|r| r["id"].as_str().unwrap()).collect();
+    assert_eq!(ids.len(), 3, "{runs:?}");
+    assert_eq!((ids[0], ids[1]), (run.as_str(), interrupting.as_str()));
+    let own = ids[2].to_owned();
+    let ended = scene.wait_until_ended(&own).await;
+    assert_eq!(ended["status"], "COMPLETED", "{ended}");
+    let (messages, _) = scene.listed().await;
     let message = messages
         .iter()
         .find(|m| m["id"] == steered.as_str())
         .unwrap();
-    assert_eq!(message["runId"], run.as_str());
-    assert_eq!(message["steering"], false);
-    let read = blocks(&scene.fake.requests()[1]);
+    assert_eq!(message["runId"], own.as_str());
+
+    let requests = scene.fake.requests();
+    assert_eq!(requests.len(), 3);
     assert_eq!(
-        read[read.len() - 2..],
+        blocks(&requests[1]).last().unwrap(),
+        &block("user", "text", "Stop, do this.")
+    );
+    assert_eq!(
+        blocks(&requests[2])[blocks(&requests[2]).len() - 3..],
         [
-            block("user", "text", "Steered."),
             block("user", "text", "Stop, do this."),
+            block("assistant", "text", "Instead."),
+            block("user", "text", "Steered."),
         ]
     );
 }

@@ -172,11 +172,10 @@ pub(in crate::store) async fn join(
 /// none is dropped. Those still waiting, and those that joined at a boundary
 /// no answer of the model followed (the run ended at its next step's start:
 /// a step limit, a deadline, a cancel), each get a `QUEUED` run of their
-/// own, right after this run and in the order sent, as if sent with
-/// `QUEUE` before the messages queued meanwhile. A run that a message
-/// interrupts keeps them instead, unanswered where they are, as it keeps
-/// the messages of the runs the interrupt ended: the interrupting message's
-/// run reads them before it.
+/// own, in the order sent: right after this run, as if sent with `QUEUE`
+/// before the messages queued meanwhile; or, when a message interrupted the
+/// run, after the runs already queued, so that the interrupting message's
+/// run goes first.
 pub(in crate::store) async fn settle(
     tx: &WriteTx,
     row: &run::Model,
@@ -195,21 +194,24 @@ pub(in crate::store) async fn settle(
         set_steering(tx, row.id, Expr::value(0)).await?;
         left.extend(waiting(tx, row.id).await?);
     }
-    if cause == EndCause::Interrupted {
-        let mut pos = next_pos(tx, row.id).await?;
-        for message in left.into_iter().filter(|m| m.pos >= PENDING_POS) {
-            let mut active: message::ActiveModel = message.into();
-            active.pos = Set(pos);
-            active.update(&**tx).await?;
-            pos += 1;
-        }
-        return Ok(());
-    }
     if left.is_empty() {
         return Ok(());
     }
-    make_room(tx, row, left.len() as i64).await?;
-    for (seq, message) in (row.seq + 1..).zip(left) {
+    let interrupted = cause == EndCause::Interrupted
+        || row.cancel_cause.as_deref() == Some(EndCause::Interrupted.as_str());
+    if !interrupted {
+        make_room(tx, row, left.len() as i64).await?;
+    }
+    for (after, message) in (1..).zip(left) {
+        let seq = if interrupted {
+            // After every run already queued: the interrupting message's
+            // goes first, as the interrupt asked.
+            tx.lock_conversation_for_run(row.conversation_id, &row.tenant)
+                .await?
+                .run_seq
+        } else {
+            row.seq + after
+        };
         let run = insert_queued_run(
             tx,
             NewRun {
@@ -269,14 +271,14 @@ async fn unanswered(tx: &WriteTx, row: &run::Model) -> Result<Vec<message::Model
         .collect())
 }
 
-/// Whether a reply's part holds something of the model's: text, reasoning,
-/// a tool call or a pause it asked for (not a notice or an error).
+/// Whether a reply's part answers: text, a tool call or a pause the model
+/// asked for (not reasoning alone, a notice or an error).
 fn says_something(part: &part::Model) -> bool {
     match part.kind.as_str() {
-        k if k == PartKind::Text.as_str() || k == PartKind::Reasoning.as_str() => {
-            part.text.as_deref().is_some_and(|t| !t.is_empty())
-        }
-        k => k != PartKind::Notice.as_str() && k != PartKind::Error.as_str(),
+        k if k == PartKind::Text.as_str() => part.text.as_deref().is_some_and(|t| !t.is_empty()),
+        k => ![PartKind::Reasoning, PartKind::Notice, PartKind::Error]
+            .iter()
+            .any(|other| other.as_str() == k),
     }
 }
 

@@ -51,6 +51,16 @@ describe("ConversationStore: persisted events", () => {
     expect(store.getSnapshot().messages.map((m) => m.id)).toEqual(["u1", "a1", "s1", "s2", "a1b", "u2"]);
   });
 
+  it("places the first reply of a run steered while queued after the messages that joined it", () => {
+    const store = seeded();
+    store.apply(messageCreated(cur(1), "u1", "USER", "r1"));
+    store.apply(messageCreated(cur(2), "s1", "USER", "r1"));
+    // Its first start: s1 joins, and the reply is made after it.
+    store.apply(runEvent(cur(3), "run.steered", "RUNNING"));
+    store.apply(messageCreated(cur(4), "a1", "ASSISTANT", "r1"));
+    expect(store.getSnapshot().messages.map((m) => m.id)).toEqual(["u1", "s1", "a1"]);
+  });
+
   it("shows a steered message as waiting until its run reads it, whatever an older read says", () => {
     const store = seeded();
     store.apply(messageCreated(cur(1), "u1", "USER", "r1"));
@@ -79,10 +89,12 @@ describe("ConversationStore: persisted events", () => {
     store.apply(messageCreated(cur(4), "u2", "USER", "r2"));
     const effects = store.apply(runEvent(cur(5), "run.completed", "COMPLETED"));
     expect(effects).toContainEqual({ kind: "message", id: "s1" });
-    // Its own run, r3, queued with r1's end: after r2's message.
+    // Its own run, r3, queued with r1's end right after r1, starts and
+    // replies before the read of s1 comes back.
+    store.apply(messageCreated(cur(6), "a3", "ASSISTANT", "r3"));
     store.receiveMessage(message("s1", [], "USER", { runId: "r3" }));
     const view = store.getSnapshot().messages;
-    expect(view.map((m) => m.id)).toEqual(["u1", "a1", "u2", "s1"]);
+    expect(view.map((m) => m.id)).toEqual(["u1", "a1", "s1", "a3", "u2"]);
     expect(view.find((m) => m.id === "s1")).toMatchObject({ runId: "r3", steering: false });
   });
 

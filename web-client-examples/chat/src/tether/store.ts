@@ -128,6 +128,8 @@ export class ConversationStore {
   private resolved = new Set<string>();
   /** Steered messages whose run read them, or ended: a read made earlier does not say they still wait. */
   private settled = new Set<string>();
+  /** Runs whose `run.steered` came last: the reply message it makes goes after the messages that joined. */
+  private justSteered = new Set<string>();
   /** The cursor of the newest event applied to each run. */
   private runCursors = new Map<string, string>();
   private listeners = new Set<() => void>();
@@ -342,9 +344,9 @@ export class ConversationStore {
    * Puts a message that arrived live where `Conversation.messages` would
    * list it: a run's first reply right after the message that started the
    * run (the reply is made when the run starts, after any message queued
-   * meanwhile); a message steered into a run, and the reply that goes on
-   * after steered messages joined, after the run's last message; any other
-   * message at the end.
+   * meanwhile, and before messages still waiting to steer it); the reply
+   * that `run.steered` makes, a later reply, and a message steered into a
+   * run, after the run's last message; any other message at the end.
    */
   private place(id: string): void {
     if (this.order.includes(id)) return;
@@ -353,7 +355,8 @@ export class ConversationStore {
     if (record && runId) {
       const ofRun = this.order.filter((other) => this.messages.get(other)?.runId === runId);
       const replied = ofRun.some((other) => this.messages.get(other)?.role === "ASSISTANT");
-      const after = record.role === "ASSISTANT" && !replied ? ofRun[0] : ofRun[ofRun.length - 1];
+      const steered = record.role === "ASSISTANT" && this.justSteered.delete(runId);
+      const after = record.role === "ASSISTANT" && !replied && !steered ? ofRun[0] : ofRun[ofRun.length - 1];
       if (after !== undefined) {
         this.order.splice(this.order.indexOf(after) + 1, 0, id);
         return;
@@ -423,11 +426,13 @@ export class ConversationStore {
       partIds,
     });
     for (const part of message.parts) this.upsertPart(part);
-    // A steered message whose run ended before reading it has a run of its
-    // own now, which is listed after the runs before it.
-    if (known && known.runId !== runId && this.order.includes(message.id)) {
-      this.order = this.order.filter((id) => id !== message.id);
-      this.place(message.id);
+    // A steered message whose run ended without answering it has a run of
+    // its own now. The message stays where it stood, and what of its new
+    // run arrived before this read (its reply) goes right after it.
+    if (known && known.runId !== runId && runId && this.order.includes(message.id)) {
+      const moved = this.order.filter((id) => id !== message.id && this.messages.get(id)?.runId === runId);
+      this.order = this.order.filter((id) => !moved.includes(id));
+      this.order.splice(this.order.indexOf(message.id) + 1, 0, ...moved);
     }
   }
 
@@ -439,6 +444,7 @@ export class ConversationStore {
    */
   private settleSteering(runId: string, type: string, status: RunStatus): Effect[] {
     const steered = type === "run.steered";
+    if (steered) this.justSteered.add(runId);
     if (!steered && !isEnded(status)) return [];
     const effects: Effect[] = [];
     const ofRun = this.order.filter((id) => this.messages.get(id)?.runId === runId);
