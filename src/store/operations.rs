@@ -13,7 +13,7 @@ use uuid::Uuid;
 
 use super::entities::{interaction, run, tool_call};
 use super::reads::Claimable;
-use super::{Result, Store, parse_stored};
+use super::{Result, Store};
 use crate::domain::interaction::{InteractionKind, InteractionStatus};
 use crate::domain::run::RunStatus;
 use crate::domain::time::now_millis;
@@ -221,6 +221,8 @@ pub async fn stuck_runs(store: &Store, queued_longer_than: Duration) -> Result<V
     let overdue = interaction::Entity::find()
         .filter(interaction::Column::Status.eq(InteractionStatus::Pending.as_str()))
         .filter(interaction::Column::ExpiresAt.lt(now))
+        .order_by_asc(interaction::Column::ExpiresAt)
+        .limit(LIST_MAX as u64)
         .all(db)
         .await?;
     let waiting = [
@@ -228,14 +230,27 @@ pub async fn stuck_runs(store: &Store, queued_longer_than: Duration) -> Result<V
         RunStatus::WaitingForApproval,
         RunStatus::WaitingForConnection,
     ];
-    for found in overdue {
-        let Some(run) = run::Entity::find_by_id(found.run_id).one(db).await? else {
-            continue;
-        };
-        let status: RunStatus = parse_stored(&run.status, "run status")?;
-        if waiting.contains(&status) && !stuck.iter().any(|s| s.run.id == run.id) {
+    let run_ids: Vec<Uuid> = overdue.iter().map(|i| i.run_id).collect();
+    let waiting_runs = if run_ids.is_empty() {
+        Vec::new()
+    } else {
+        run::Entity::find()
+            .filter(run::Column::Id.is_in(run_ids))
+            .filter(run::Column::Status.is_in(waiting.map(RunStatus::as_str)))
+            .all(db)
+            .await?
+    };
+    // Each run once, since its earliest overdue interaction.
+    for run in waiting_runs {
+        let since = overdue
+            .iter()
+            .filter(|i| i.run_id == run.id)
+            .map(|i| i.expires_at)
+            .min()
+            .unwrap_or(now);
+        if !stuck.iter().any(|s| s.run.id == run.id) {
             stuck.push(StuckRun {
-                since: found.expires_at,
+                since,
                 run,
                 why: Stuck::InteractionExpired,
             });

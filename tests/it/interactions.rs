@@ -12,7 +12,9 @@ use crate::fakes::{
 use crate::support::{Server, ServerOptions, of_type, on_postgres};
 use crate::tools::{final_text, tool_calls};
 
-fn config(downstream: &Downstream) -> String {
+/// A scripted agent with the built-in tools and gated ones; tenant `hasty`
+/// has one-second questions and approvals.
+pub fn config(downstream: &Downstream) -> String {
     format!(
         r#"
 default_agent = "helper"

@@ -238,6 +238,49 @@ async fn an_operator_lists_a_stuck_run_and_resolves_a_call_of_unknown_outcome() 
     );
 }
 
+/// A run waiting for an approval past its expiry, with no process left to
+/// expire it, is listed as stuck: `INTERACTION_EXPIRED`, since the expiry.
+#[tokio::test]
+async fn an_approval_past_its_expiry_that_nobody_expired_is_listed_as_stuck() {
+    let downstream = Downstream::start().await;
+    let config = format!(
+        "{}{}",
+        crate::interactions::config(&downstream),
+        operators()
+    );
+    let mut server = Server::start_workers(&config).await;
+    // Tenant `hasty` has one-second approvals.
+    let token = server.token("hasty", "ada");
+    let conversation = server.create_conversation(&token).await;
+    let (_, run) = server
+        .send(
+            &token,
+            &conversation,
+            "/tool demo_publish {\"text\": \"x\"}",
+        )
+        .await;
+    server
+        .wait_for_run(&token, &run, |r| r["status"] == "WAITING_FOR_APPROVAL")
+        .await;
+    server.kill().await;
+
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    let stuck = loop {
+        let listed = json_lines(&server.command(&["runs", "--stuck", "--json"]).await);
+        if let Some(found) = listed.into_iter().find(|r| r["runId"] == run.as_str()) {
+            break found;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the run was never listed as stuck"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(stuck["reason"], "INTERACTION_EXPIRED", "{stuck}");
+    assert_eq!(stuck["tenant"], "hasty");
+    assert_eq!(stuck["status"], "WAITING_FOR_APPROVAL");
+}
+
 #[tokio::test]
 async fn an_operator_requeues_a_run_whose_recoveries_ran_out_and_cancels_across_tenants() {
     let config = format!(
