@@ -5,8 +5,6 @@
 //! starts, so their effects never overlap. A fake Anthropic records what the
 //! model is sent; readers see the order the model saw.
 
-use std::time::Duration;
-
 use serde_json::{Value, json};
 
 use crate::downstream::Downstream;
@@ -14,7 +12,7 @@ use crate::fakes::{
     FakeProvider, FakeToolCall, Reply, Wire, anthropic_sse, anthropic_sse_tool_calls, key_env,
     model_config,
 };
-use crate::support::{PATIENCE, Server, ServerOptions, http_client, of_type};
+use crate::support::{Server, ServerOptions, http_client, of_type};
 use crate::tools::{tool_calls, tool_sections};
 
 const SEND: &str = "mutation($c: ID!, $t: String!, $k: String, $s: ActiveRunStrategy) { sendMessage(input: {conversationId: $c, text: $t, clientMessageId: $k, onActiveRun: $s}) { message { id runId } run { id status } } }";
@@ -145,6 +143,29 @@ impl Scene {
             data["conversation"]["messages"].as_array().unwrap().clone(),
             data["conversation"]["runs"].as_array().unwrap().clone(),
         )
+    }
+
+    /// The conversation's runs, once there are `count`; the one at `index`
+    /// is the run `steered` got of its own: it completes, and the message
+    /// belongs to it, waiting no more.
+    async fn own_run(&self, steered: &str, count: usize, index: usize) -> Vec<String> {
+        let (_, runs) = self.listed().await;
+        let ids: Vec<String> = runs
+            .iter()
+            .map(|r| r["id"].as_str().unwrap().to_owned())
+            .collect();
+        assert_eq!(ids.len(), count, "{runs:?}");
+        let ended = self.wait_until_ended(&ids[index]).await;
+        assert_eq!(ended["status"], "COMPLETED", "{ended}");
+        let (messages, _) = self.listed().await;
+        let message = messages.iter().find(|m| m["id"] == steered).unwrap();
+        assert_eq!(
+            message["runId"],
+            ids[index].as_str(),
+            "the message starts its own run"
+        );
+        assert_eq!(message["steering"], false);
+        ids
     }
 
     async fn events(&self) -> Vec<Value> {
@@ -281,17 +302,6 @@ fn said(role: &str, text: &str) -> (String, String) {
     (role.to_owned(), text.to_owned())
 }
 
-async fn wait_for_request(fake: &FakeProvider, count: usize) {
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    while fake.requests().len() < count {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the model never got request {count}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
 fn event_types(events: &[Value]) -> Vec<String> {
     events
         .iter()
@@ -400,16 +410,12 @@ async fn two_steered_messages_reach_the_next_step_after_the_batch_results_in_ord
 /// nothing says `run.steered`, and readers see nothing move.
 #[tokio::test]
 async fn a_steered_message_the_run_ends_before_gets_a_run_of_its_own_in_the_order_sent() {
-    let slow = Reply::Stream {
-        sse: anthropic_sse(&["A slow ", "first ", "answer."], 10, 5),
-        chunk_bytes: 20,
-        pause: Duration::from_millis(40),
-    };
+    let slow = Reply::slow(anthropic_sse(&["A slow ", "first ", "answer."], 10, 5));
     let second = Reply::sse(anthropic_sse(&["Second answer."], 10, 5), 64);
     let third = Reply::sse(anthropic_sse(&["Third answer."], 10, 5), 64);
     let scene = Scene::start([slow, second, third], 0).await;
     let first = scene.send("First.").await;
-    wait_for_request(&scene.fake, 1).await;
+    scene.fake.wait_for_requests(1).await;
     let (steered, run) = scene.steer("Also this.").await;
     assert_eq!(run, first, "the first run was still streaming");
     let queued = scene.send("Then this.").await;
@@ -418,21 +424,10 @@ async fn a_steered_message_the_run_ends_before_gets_a_run_of_its_own_in_the_orde
     let ended = scene.wait_until_ended(&queued).await;
     assert_eq!(ended["status"], "COMPLETED", "{ended}");
 
-    let (messages, runs) = scene.listed().await;
-    let ids: Vec<&str> = runs.iter().map(|r| r["id"].as_str().unwrap()).collect();
-    assert_eq!(ids.len(), 3, "{runs:?}");
-    assert_eq!(
-        (ids[0], ids[2]),
-        (first.as_str(), queued.as_str()),
-        "{runs:?}"
-    );
-    let own = ids[1];
-    let message = messages
-        .iter()
-        .find(|m| m["id"] == steered.as_str())
-        .unwrap();
-    assert_eq!(message["runId"], own, "the message starts its own run");
-    assert_eq!(message["steering"], false);
+    let ids = scene.own_run(&steered, 3, 1).await;
+    assert_eq!((&ids[0], &ids[2]), (&first, &queued), "{ids:?}");
+    let own = ids[1].as_str();
+    let (messages, _) = scene.listed().await;
 
     let requests = scene.fake.requests();
     assert_eq!(requests.len(), 3);
@@ -489,17 +484,7 @@ async fn a_steered_message_joined_at_the_last_step_gets_a_run_of_its_own() {
     let ended = scene.wait_until_ended(&run).await;
     assert_eq!(ended["endCause"], "STEP_LIMIT", "{ended}");
 
-    let (_, runs) = scene.listed().await;
-    assert_eq!(runs.len(), 2, "{runs:?}");
-    let own = runs[1]["id"].as_str().unwrap().to_owned();
-    let ended = scene.wait_until_ended(&own).await;
-    assert_eq!(ended["status"], "COMPLETED", "{ended}");
-    let (messages, _) = scene.listed().await;
-    let message = messages
-        .iter()
-        .find(|m| m["id"] == steered.as_str())
-        .unwrap();
-    assert_eq!(message["runId"], own.as_str());
+    scene.own_run(&steered, 2, 1).await;
     let requests = scene.fake.requests();
     assert_eq!(requests.len(), 2, "the limited run asked nothing more");
     assert_eq!(
@@ -525,19 +510,8 @@ async fn a_steered_message_of_an_interrupted_run_runs_after_the_interrupting_one
     let ended = scene.wait_until_ended(&run).await;
     assert_eq!(ended["endCause"], "INTERRUPTED", "{ended}");
 
-    let (_, runs) = scene.listed().await;
-    let ids: Vec<&str> = runs.iter().map(|r| r["id"].as_str().unwrap()).collect();
-    assert_eq!(ids.len(), 3, "{runs:?}");
-    assert_eq!((ids[0], ids[1]), (run.as_str(), interrupting.as_str()));
-    let own = ids[2].to_owned();
-    let ended = scene.wait_until_ended(&own).await;
-    assert_eq!(ended["status"], "COMPLETED", "{ended}");
-    let (messages, _) = scene.listed().await;
-    let message = messages
-        .iter()
-        .find(|m| m["id"] == steered.as_str())
-        .unwrap();
-    assert_eq!(message["runId"], own.as_str());
+    let ids = scene.own_run(&steered, 3, 2).await;
+    assert_eq!((&ids[0], &ids[1]), (&run, &interrupting));
 
     let requests = scene.fake.requests();
     assert_eq!(requests.len(), 3);
@@ -590,14 +564,10 @@ async fn a_message_steered_into_a_queued_run_is_read_at_its_start() {
 /// principal's connections and grants): it is queued as a run of its own.
 #[tokio::test]
 async fn another_persons_message_is_queued_not_steered() {
-    let slow = Reply::Stream {
-        sse: anthropic_sse(&["Slowly."], 10, 5),
-        chunk_bytes: 20,
-        pause: Duration::from_millis(40),
-    };
+    let slow = Reply::slow(anthropic_sse(&["Slowly."], 10, 5));
     let scene = Scene::start([slow], 0).await;
     let run = scene.send("Mine.").await;
-    wait_for_request(&scene.fake, 1).await;
+    scene.fake.wait_for_requests(1).await;
     let bob = scene.server.token("acme", "bob");
     let (message, answered) = send_with(
         &scene.server,

@@ -15,7 +15,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use serde_json::{Value, json};
 
-use crate::support::{Server, ServerOptions};
+use crate::support::{PATIENCE, Server, ServerOptions};
 
 pub const KEY: &str = "sk-test-key";
 
@@ -93,6 +93,16 @@ impl Reply {
             pause: Duration::ZERO,
         }
     }
+
+    /// A 200 streaming `sse` slowly (20 bytes every 40 ms): long enough
+    /// for a test to act while the run streams.
+    pub fn slow(sse: String) -> Reply {
+        Reply::Stream {
+            sse,
+            chunk_bytes: 20,
+            pause: Duration::from_millis(40),
+        }
+    }
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -150,6 +160,18 @@ impl FakeProvider {
 
     pub fn requests(&self) -> Vec<Value> {
         self.shared.requests.lock().unwrap().clone()
+    }
+
+    /// Waits until the fake has received `count` requests.
+    pub async fn wait_for_requests(&self, count: usize) {
+        let deadline = tokio::time::Instant::now() + PATIENCE;
+        while self.requests().len() < count {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the model never got request {count}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     /// When each of `requests` arrived.

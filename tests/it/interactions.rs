@@ -111,7 +111,12 @@ async fn decide(server: &Server, token: &str, interaction: &str, decision: &str)
 
 /// Sends `text` and waits for the run to wait for approval; returns the run
 /// and the earliest pending interaction.
-async fn gated(server: &Server, token: &str, conversation: &str, text: &str) -> (String, String) {
+pub async fn gated(
+    server: &Server,
+    token: &str,
+    conversation: &str,
+    text: &str,
+) -> (String, String) {
     let (_, run) = server.send(token, conversation, text).await;
     status_becomes(server, token, &run, "WAITING_FOR_APPROVAL").await;
     let interaction = pending_approvals(server, token, &run).await[0]["interactionId"]

@@ -2,8 +2,6 @@
 //! every request: replies stay with their questions when messages queue up,
 //! a summary just made is used at once, and a failed attempt's tokens count.
 
-use std::time::Duration;
-
 use serde_json::json;
 
 use crate::downstream::Downstream;
@@ -22,6 +20,40 @@ async fn server(fake: &FakeProvider, downstream: &Downstream, agent_extra: &str)
     provider_tools::server(fake, "anthropic", downstream, &keys, "").await
 }
 
+/// A run streaming slowly (U0), for messages to queue behind it.
+struct Streaming {
+    fake: FakeProvider,
+    server: Server,
+    token: String,
+    conversation: String,
+    run0: String,
+    _downstream: Downstream,
+}
+
+/// Starts the server, sends U0 and waits until its run is streaming.
+async fn streaming_run0() -> Streaming {
+    let fake = FakeProvider::start(Wire::Anthropic).await;
+    fake.script([Reply::slow(anthropic_sse(
+        &["slow ", "reply ", "zero"],
+        10,
+        5,
+    ))]);
+    let downstream = Downstream::start().await;
+    let server = server(&fake, &downstream, "").await;
+    let token = server.token("acme", "ada");
+    let conversation = server.create_conversation(&token).await;
+    let (_, run0) = server.send(&token, &conversation, "U0").await;
+    fake.wait_for_requests(1).await;
+    Streaming {
+        fake,
+        server,
+        token,
+        conversation,
+        run0,
+        _downstream: downstream,
+    }
+}
+
 /// Two messages queued while an earlier run streams: the second run's reply
 /// (created when that run begins) sorts after the third user message, so the
 /// third run's history ends with an assistant message (a prefill, which
@@ -29,24 +61,14 @@ async fn server(fake: &FakeProvider, downstream: &Downstream, agent_extra: &str)
 /// always), and the reply to U1 is shown after U2.
 #[tokio::test]
 async fn queued_messages_keep_replies_in_order_and_history_ends_with_the_user() {
-    let fake = FakeProvider::start(Wire::Anthropic).await;
-    fake.script([Reply::Stream {
-        sse: anthropic_sse(&["slow ", "reply ", "zero"], 10, 5),
-        chunk_bytes: 20,
-        pause: Duration::from_millis(40),
-    }]);
-    let downstream = Downstream::start().await;
-    let server = server(&fake, &downstream, "").await;
-    let token = server.token("acme", "ada");
-    let conversation = server.create_conversation(&token).await;
-    let (_, run0) = server.send(&token, &conversation, "U0").await;
-    // Run 0 is streaming.
-    for _ in 0..100 {
-        if !fake.requests().is_empty() {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let Streaming {
+        fake,
+        server,
+        token,
+        conversation,
+        run0,
+        _downstream,
+    } = streaming_run0().await;
     let (_, _run1) = server.send(&token, &conversation, "U1").await;
     let (_, run2) = server.send(&token, &conversation, "U2").await;
     assert_eq!(
@@ -146,22 +168,14 @@ async fn a_failed_attempts_reported_usage_is_counted() {
 /// although each reply was made after all three were queued.
 #[tokio::test]
 async fn queued_messages_read_in_the_order_the_model_saw_them() {
-    let fake = FakeProvider::start(Wire::Anthropic).await;
-    fake.script([Reply::Stream {
-        sse: anthropic_sse(&["slow ", "reply ", "zero"], 10, 5),
-        chunk_bytes: 20,
-        pause: Duration::from_millis(40),
-    }]);
-    let downstream = Downstream::start().await;
-    let server = server(&fake, &downstream, "").await;
-    let token = server.token("acme", "ada");
-    let conversation = server.create_conversation(&token).await;
-    let (_, run0) = server.send(&token, &conversation, "U0").await;
-    let deadline = tokio::time::Instant::now() + crate::support::PATIENCE;
-    while fake.requests().is_empty() {
-        assert!(tokio::time::Instant::now() < deadline, "run 0 never asked");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let Streaming {
+        fake,
+        server,
+        token,
+        conversation,
+        run0,
+        _downstream,
+    } = streaming_run0().await;
     let mut runs = vec![run0];
     for text in ["U1", "U2", "U3"] {
         runs.push(server.send(&token, &conversation, text).await.1);

@@ -42,6 +42,22 @@ fn json_lines(output: &std::process::Output) -> Vec<Value> {
         .collect()
 }
 
+/// Waits until `tether runs --stuck --json` lists `run`; returns its line.
+async fn listed_as_stuck(server: &Server, run: &str) -> Value {
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    loop {
+        let listed = json_lines(&server.command(&["runs", "--stuck", "--json"]).await);
+        if let Some(found) = listed.into_iter().find(|r| r["runId"] == run) {
+            return found;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the run was never listed as stuck"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 #[tokio::test]
 async fn an_operator_lists_a_stuck_run_and_resolves_a_call_of_unknown_outcome() {
     let fake = FakeProvider::start(Wire::Anthropic).await;
@@ -93,18 +109,7 @@ async fn an_operator_lists_a_stuck_run_and_resolves_a_call_of_unknown_outcome() 
     server.kill().await;
 
     // Nobody holds the run now: once its lease runs out it is stuck.
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    let stuck = loop {
-        let listed = json_lines(&server.command(&["runs", "--stuck", "--json"]).await);
-        if let Some(found) = listed.into_iter().find(|r| r["runId"] == run.as_str()) {
-            break found;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the run was never listed as stuck"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+    let stuck = listed_as_stuck(&server, &run).await;
     assert_eq!(stuck["reason"], "LEASE_EXPIRED", "{stuck}");
     assert_eq!(stuck["tenant"], "acme");
     assert_eq!(stuck["status"], "RUNNING");
@@ -252,30 +257,16 @@ async fn an_approval_past_its_expiry_that_nobody_expired_is_listed_as_stuck() {
     // Tenant `hasty` has one-second approvals.
     let token = server.token("hasty", "ada");
     let conversation = server.create_conversation(&token).await;
-    let (_, run) = server
-        .send(
-            &token,
-            &conversation,
-            "/tool demo_publish {\"text\": \"x\"}",
-        )
-        .await;
-    server
-        .wait_for_run(&token, &run, |r| r["status"] == "WAITING_FOR_APPROVAL")
-        .await;
+    let (run, _) = crate::interactions::gated(
+        &server,
+        &token,
+        &conversation,
+        "/tool demo_publish {\"text\": \"x\"}",
+    )
+    .await;
     server.kill().await;
 
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    let stuck = loop {
-        let listed = json_lines(&server.command(&["runs", "--stuck", "--json"]).await);
-        if let Some(found) = listed.into_iter().find(|r| r["runId"] == run.as_str()) {
-            break found;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the run was never listed as stuck"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+    let stuck = listed_as_stuck(&server, &run).await;
     assert_eq!(stuck["reason"], "INTERACTION_EXPIRED", "{stuck}");
     assert_eq!(stuck["tenant"], "hasty");
     assert_eq!(stuck["status"], "WAITING_FOR_APPROVAL");
