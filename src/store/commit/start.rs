@@ -96,10 +96,9 @@ pub(in crate::store) async fn open_text_part(
 /// `run.started`. A claim whose next step is an inference (a first claim,
 /// a run resumed after its question, one retried or recovered with no batch
 /// to finish) takes the messages steered into the run meanwhile
-/// (`steer::join`). Returns the message the
-/// next step writes into and the part, none while a batch of tool calls of
-/// the current step is still to be finished; the cursor is known once the
-/// transaction commits.
+/// (`steer::join`). Returns the message the next step writes into and the
+/// part, none while a batch of tool calls of the current step is still to
+/// be finished; the cursor is known once the transaction commits.
 pub(in crate::store) async fn start(
     tx: &WriteTx,
     row: &run::Model,
