@@ -489,6 +489,8 @@ struct Level {
     first_delta: Vec<Duration>,
     completed: Vec<Duration>,
     writes: u64,
+    /// Queries on the main pool, and on the API's read pool.
+    statements: (u64, u64),
 }
 
 impl Level {
@@ -535,6 +537,7 @@ async fn closed_loop(
         .collect();
     ready.wait().await;
     let writes_before = running.store.write_transactions();
+    let statements_before = (running.store.statements(), running.store.read_statements());
     let started = Instant::now();
     let mut samples = Vec::new();
     for task in tasks {
@@ -542,6 +545,10 @@ async fn closed_loop(
     }
     let elapsed = started.elapsed();
     let writes = running.store.write_transactions() - writes_before;
+    let statements = (
+        running.store.statements() - statements_before.0,
+        running.store.read_statements() - statements_before.1,
+    );
     let mut answered: Vec<Duration> = samples.iter().map(|s| s.0).collect();
     let mut first_delta: Vec<Duration> = samples.iter().map(|s| s.1).collect();
     let mut completed: Vec<Duration> = samples.iter().map(|s| s.2).collect();
@@ -557,6 +564,7 @@ async fn closed_loop(
         first_delta,
         completed,
         writes,
+        statements,
     }
 }
 
@@ -1171,6 +1179,15 @@ fn print(label: &str, sizes: &Sizes, f: &Figures) {
         );
         r[3] = "≤ 4".into();
         r[4] = verdict(wpr <= 4.0);
+        let runs = level.runs as f64;
+        t.row(
+            format!("  queries per run, {n}: main pool / API read pool"),
+            format!(
+                "{:.1} / {:.1}",
+                level.statements.0 as f64 / runs,
+                level.statements.1 as f64 / runs
+            ),
+        );
         let r = t.row(
             format!("  commits/s as run transactions, {n} (runs/s × writes per run)"),
             count(rps * wpr),

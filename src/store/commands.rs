@@ -156,44 +156,39 @@ async fn send_in(
         ),
         None => (new_id(), conversation.run_seq, 0),
     };
-    let message = message::ActiveModel {
-        id: Set(message_id),
-        conversation_id: Set(conversation.id),
-        tenant: Set(actor.tenant.clone()),
-        role: Set(MessageRole::User.as_str().to_owned()),
-        run_id: Set(Some(run_id)),
-        client_message_id: Set(new.client_message_id.clone()),
-        created_at: Set(now),
-        run_seq: Set(run_seq),
-        pos: Set(pos),
-    }
-    .insert(&**tx)
-    .await
-    .map_err(|e| {
-        if is_unique_violation(&e) {
-            Error::Conflict("clientMessageId is already in use".to_owned())
-        } else {
-            Error::Database(e)
-        }
-    })?;
-    part::ActiveModel {
-        id: Set(new_id()),
-        message_id: Set(message_id),
-        conversation_id: Set(conversation.id),
-        tenant: Set(actor.tenant.clone()),
-        idx: Set(0),
-        kind: Set(PartKind::Text.as_str().to_owned()),
-        state: Set(PartState::Done.as_str().to_owned()),
-        text: Set(Some(new.text)),
-        data: Set(None),
-        created_at: Set(now),
-        updated_at: Set(now),
-        run_id: Set(None),
-        abandoned: Set(false),
-        step: Set(0),
-    }
-    .insert(&**tx)
-    .await?;
+    // The rows go with the append, in one hand-over on SQLite.
+    let mut writes = commit::Writes::default();
+    let message = message::Model {
+        id: message_id,
+        conversation_id: conversation.id,
+        tenant: actor.tenant.clone(),
+        role: MessageRole::User.as_str().to_owned(),
+        run_id: Some(run_id),
+        client_message_id: new.client_message_id.clone(),
+        created_at: now,
+        run_seq,
+        pos,
+    };
+    writes.insert(tx, message::ActiveModel::from(message.clone()));
+    writes.insert(
+        tx,
+        part::ActiveModel {
+            id: Set(new_id()),
+            message_id: Set(message_id),
+            conversation_id: Set(conversation.id),
+            tenant: Set(actor.tenant.clone()),
+            idx: Set(0),
+            kind: Set(PartKind::Text.as_str().to_owned()),
+            state: Set(PartState::Done.as_str().to_owned()),
+            text: Set(Some(new.text)),
+            data: Set(None),
+            created_at: Set(now),
+            updated_at: Set(now),
+            run_id: Set(None),
+            abandoned: Set(false),
+            step: Set(0),
+        },
+    );
     events.push(NewEvent::message_created(
         message_id,
         MessageRole::User,
@@ -202,26 +197,31 @@ async fn send_in(
     let run = match steered {
         Some(active) => active,
         None => {
-            let run = commit::insert_queued_run(
-                tx,
-                commit::NewRun {
-                    id: run_id,
-                    conversation_id: conversation.id,
-                    tenant: &actor.tenant,
-                    principal: &actor.principal,
-                    agent: &conversation.agent,
-                    trigger_message_id: message_id,
-                    max_attempts: new.max_attempts,
-                    seq: conversation.run_seq,
-                },
-            )
-            .await?;
+            let run = commit::queued_run(commit::NewRun {
+                id: run_id,
+                conversation_id: conversation.id,
+                tenant: &actor.tenant,
+                principal: &actor.principal,
+                agent: &conversation.agent,
+                trigger_message_id: message_id,
+                max_attempts: new.max_attempts,
+                seq: conversation.run_seq,
+            });
+            writes.insert(tx, run::ActiveModel::from(run.clone()));
             events.extend(NewEvent::run_status(run_id, RunStatus::Queued));
             run
         }
     };
-    tx.append(&conversation, events).await?;
-    Ok((message, run))
+    let has_client_id = new.client_message_id.is_some();
+    match tx.append_after(writes, &conversation, events).await {
+        // The one unique key a new message can break (the earlier read
+        // under the conversation's lock makes it a race lost at most).
+        Err(Error::Database(e)) if has_client_id && is_unique_violation(&e) => Err(
+            Error::Conflict("clientMessageId is already in use".to_owned()),
+        ),
+        Err(e) => Err(e),
+        Ok(()) => Ok((message, run)),
+    }
 }
 
 /// The conversation's runs that have not ended, oldest first, locked: a

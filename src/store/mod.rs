@@ -87,6 +87,8 @@ pub struct Store {
     /// The API's reads only: snapshots and subscription catch-up.
     reads: DatabaseConnection,
     read_statements: Arc<AtomicU64>,
+    /// Queries run on the main pool (writes and the workers' reads).
+    statements: Arc<AtomicU64>,
     bus: Bus,
     writes: Arc<AtomicU64>,
     /// SQLite has one writer: writers of this process queue here instead of
@@ -96,6 +98,9 @@ pub struct Store {
     pending: Option<Arc<commit::Pending>>,
     url: String,
 }
+
+/// How much of a SQLite file each connection maps (`PRAGMA mmap_size`).
+const SQLITE_MMAP_BYTES: u64 = 256 << 20;
 
 /// The PostgreSQL advisory lock migrations hold (a fixed key: "tether" in
 /// ASCII).
@@ -126,8 +131,9 @@ impl Default for Pools {
     }
 }
 
-/// On SQLite, WAL, a busy timeout, the file created if missing, and foreign
-/// keys; on PostgreSQL, the statement timeout; on every backend, a pool of
+/// On SQLite, WAL, a busy timeout, the file created if missing, foreign
+/// keys, a mapped file, and no ping when a connection is taken from the
+/// pool; on PostgreSQL, the statement timeout; on every backend, a pool of
 /// at most `max` connections.
 fn connect_options(url: &str, max: u32, min: u32, pools: &Pools) -> ConnectOptions {
     let mut options = ConnectOptions::new(url.to_owned());
@@ -143,8 +149,16 @@ fn connect_options(url: &str, max: u32, min: u32, pools: &Pools) -> ConnectOptio
                 .busy_timeout(Duration::from_secs(10))
                 .create_if_missing(true)
                 .foreign_keys(true)
+                // Pages read from a map of the file, not one read(2) each.
+                .pragma("mmap_size", SQLITE_MMAP_BYTES.to_string())
         });
+        // A pooled connection to a file does not go stale: no ping (a round
+        // trip to its thread) each time one is taken from the pool.
+        options.test_before_acquire(false);
     } else if let Some(timeout) = pools.statement_timeout {
+        // PostgreSQL keeps sqlx's ping on every acquire: a server restart
+        // cuts pooled connections however recently they were used, and a
+        // dead one must not be handed to a request.
         let ms = format!("{}ms", timeout.as_millis());
         options.map_sqlx_postgres_opts(move |o| o.options([("statement_timeout", ms.as_str())]));
     }
@@ -166,7 +180,12 @@ impl Store {
         let sqlite = url.starts_with("sqlite:");
         let main = pools.connections.unwrap_or(if sqlite { 8 } else { 16 });
         probe(url, pools).await?;
-        let db = Database::connect(connect_options(url, main, 1, pools)).await?;
+        let mut db = Database::connect(connect_options(url, main, 1, pools)).await?;
+        let statements = Arc::new(AtomicU64::new(0));
+        let counter = statements.clone();
+        db.set_metric_callback(move |_| {
+            counter.fetch_add(1, Ordering::Relaxed);
+        });
         let read_statements = Arc::new(AtomicU64::new(0));
         // Each pool opened on an in-memory URL is a database of its own: the
         // API reads through the main pool there.
@@ -187,6 +206,7 @@ impl Store {
             db,
             reads,
             read_statements,
+            statements,
             bus,
             writes: Arc::default(),
             write_lane: sqlite.then(Arc::default),
@@ -239,6 +259,14 @@ impl Store {
     /// Write transactions begun by this store so far (for benchmarks).
     pub fn write_transactions(&self) -> u64 {
         self.writes.load(Ordering::Relaxed)
+    }
+
+    /// Queries run on the main pool so far, in and out of transactions,
+    /// without `BEGIN` and `COMMIT`; a query of several statements (one
+    /// hand-over to a SQLite connection's thread) counts once. For
+    /// benchmarks.
+    pub fn statements(&self) -> u64 {
+        self.statements.load(Ordering::Relaxed)
     }
 
     /// Statements run on the API's read pool so far (for tests and
@@ -594,6 +622,8 @@ mod tests {
         let timeout: i64 = pragma(&store, "busy_timeout").await;
         assert!(timeout >= 1000, "busy_timeout {timeout}");
         assert_eq!(pragma::<i64>(&store, "foreign_keys").await, 1);
+        let mapped: i64 = pragma(&store, "mmap_size").await;
+        assert_eq!(mapped as u64, super::SQLITE_MMAP_BYTES);
         std::fs::remove_dir_all(dir).unwrap();
     }
 }

@@ -10,7 +10,7 @@ use sea_orm::{
 
 use uuid::Uuid;
 
-use super::commit::{self, Begun, Lease, Log};
+use super::commit::{self, Begun, Lease, Log, Writes};
 use super::entities::{run, run_audit};
 use super::reads::Claimable;
 use super::{Result, Store};
@@ -83,13 +83,13 @@ async fn claim_and_start(
     }
     let mut started = Vec::with_capacity(claimed.len());
     for row in &claimed {
-        let mut events = Vec::new();
-        started.push(commit::start(&tx, row, &mut events).await?);
+        let (mut events, mut writes) = (Vec::new(), Writes::default());
+        started.push(commit::start(&tx, &mut writes, row, &mut events).await?);
         let log = Log {
             id: row.conversation_id,
             tenant: &row.tenant,
         };
-        tx.append(log, events).await?;
+        tx.append_after(writes, log, events).await?;
     }
     failpoints::hit("after_claim");
     let committed = store.commit(tx).await?;

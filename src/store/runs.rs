@@ -11,7 +11,7 @@ use std::sync::Arc;
 use uuid::Uuid;
 
 use super::commit::{
-    Begun, Ending, Lease, OpenPart, PartContent, PartText, abandon_open_parts,
+    Begun, Ending, Lease, OpenPart, PartContent, PartText, Writes, abandon_open_parts,
     abandon_open_parts_with, apply_usage, assistant_message, clear_lease, end_closed, fence,
     insert_part, join_steered, next_index, open, open_text_part, part_event, save_parts, start,
     step_events, utf16_len,
@@ -28,9 +28,9 @@ use crate::domain::{PartKind, PartState};
 /// itself, see `queue::take`): `commit::start` in a transaction of its own.
 pub async fn begin(store: &Store, lease: &Lease) -> Result<Begun> {
     let (mut tx, conversation, row) = open(store, lease).await?;
-    let mut events = Vec::new();
-    let (message_id, part) = start(&tx, &row, &mut events).await?;
-    tx.append(&conversation, events).await?;
+    let (mut events, mut writes) = (Vec::new(), Writes::default());
+    let (message_id, part) = start(&tx, &mut writes, &row, &mut events).await?;
+    tx.append_after(writes, &conversation, events).await?;
     let committed = store.commit(tx).await?;
     Ok(Begun::new(row, message_id, part, &committed))
 }
@@ -43,7 +43,8 @@ pub async fn begin(store: &Store, lease: &Lease) -> Result<Begun> {
 pub async fn end_step(store: &Store, lease: &Lease, usage: Usage) -> Result<(OpenPart, Cursor)> {
     let (mut tx, conversation, row) = open(store, lease).await?;
     let mut events = step_events(&row, usage, true);
-    let message_id = match join_steered(&tx, &row, &mut events).await? {
+    let mut writes = Writes::default();
+    let message_id = match join_steered(&tx, &mut writes, &row, &mut events).await? {
         Some(steered) => steered,
         None => assistant_message(&tx, &row).await?,
     };
@@ -55,8 +56,8 @@ pub async fn end_step(store: &Store, lease: &Lease, usage: Usage) -> Result<(Ope
     active.cost_usd = Set(usage.cost_usd);
     let row = active.update(&*tx).await?;
     let index = next_index(&tx, message_id).await?;
-    let opened = open_text_part(&tx, &row, message_id, index, &mut events).await?;
-    tx.append(&conversation, events).await?;
+    let opened = open_text_part(&tx, &mut writes, &row, message_id, index, &mut events)?;
+    tx.append_after(writes, &conversation, events).await?;
     let committed = store.commit(tx).await?;
     Ok((opened, committed.last().map_or(Cursor::START, |e| e.cursor)))
 }

@@ -38,18 +38,16 @@ pub(in crate::store) use pending::{
 pub use start::Begun;
 pub(in crate::store) use start::{open_text_part, start};
 pub use steer::PENDING_POS;
-pub(in crate::store) use steer::{
-    NewRun, insert_queued_run, join as join_steered, wait_for_boundary,
-};
+pub(in crate::store) use steer::{NewRun, join as join_steered, queued_run, wait_for_boundary};
 
 use std::sync::PoisonError;
 use std::sync::atomic::Ordering;
 
 use sea_orm::sea_query::{Expr, ExprTrait};
 use sea_orm::{
-    ActiveValue::Set, ColumnTrait, ConnectionTrait, DatabaseBackend, DatabaseTransaction,
-    EntityTrait, QueryFilter, QuerySelect, SqliteTransactionMode, Statement, TransactionOptions,
-    TransactionTrait,
+    ActiveModelTrait, ActiveValue::Set, ColumnTrait, ConnectionTrait, DatabaseBackend,
+    DatabaseTransaction, EntityTrait, QueryFilter, QuerySelect, QueryTrait, SqliteTransactionMode,
+    Statement, TransactionOptions, TransactionTrait,
 };
 use tokio::sync::OwnedMutexGuard;
 use uuid::Uuid;
@@ -249,45 +247,63 @@ impl WriteTx {
         log: impl Into<Log<'a>>,
         new_events: Vec<NewEvent>,
     ) -> Result<()> {
+        self.append_after(Writes::default(), log, new_events).await
+    }
+
+    /// Runs `writes`, then `append`s: on SQLite all in one hand-over to the
+    /// connection's thread.
+    pub(in crate::store) async fn append_after<'a>(
+        &mut self,
+        writes: Writes,
+        log: impl Into<Log<'a>>,
+        new_events: Vec<NewEvent>,
+    ) -> Result<()> {
         let conversation = log.into();
-        if new_events.is_empty() {
-            return Ok(());
+        let sqlite = self.get_database_backend() == DatabaseBackend::Sqlite;
+        if new_events.is_empty() || !sqlite {
+            for write in writes.0 {
+                self.tx.execute_raw(write).await?;
+            }
+            if new_events.is_empty() {
+                return Ok(());
+            }
+            return self
+                .append_rows(Writes::default(), conversation, new_events)
+                .await;
         }
+        self.append_rows(writes, conversation, new_events).await
+    }
+
+    /// `append_after` with at least one event.
+    async fn append_rows(
+        &mut self,
+        writes: Writes,
+        conversation: Log<'_>,
+        new_events: Vec<NewEvent>,
+    ) -> Result<()> {
         let count = new_events.len() as i64;
-        let updated = conversation::Entity::update_many()
-            .col_expr(
-                conversation::Column::EventSeq,
-                Expr::col(conversation::Column::EventSeq).add(count),
-            )
-            .filter(conversation::Column::Id.eq(conversation.id))
-            .exec_with_returning(&self.tx)
-            .await?;
-        let last = updated.first().ok_or(Error::NotFound)?.event_seq;
         let at = now_millis();
         let mut rows = Vec::with_capacity(new_events.len());
-        for (offset, new) in new_events.into_iter().enumerate() {
-            let seq = last - count + 1 + offset as i64;
+        for new in &new_events {
             let payload = serde_json::to_value(&new.body)
                 .map_err(|e| Error::Corrupt(format!("event body: {e}")))?;
-            rows.push(event::ActiveModel {
-                conversation_id: Set(conversation.id),
-                seq: Set(seq),
-                tenant: Set(conversation.tenant.to_owned()),
-                run_id: Set(new.run_id),
-                kind: Set(new.kind.as_str().to_owned()),
-                payload: Set(payload),
-                created_at: Set(at),
-            });
+            rows.push((new.run_id, new.kind.as_str(), payload));
+        }
+        let last = if self.get_database_backend() == DatabaseBackend::Sqlite {
+            append_sqlite(&self.tx, writes, conversation, at, rows).await?
+        } else {
+            append_each(&self.tx, conversation, at, rows).await?
+        };
+        for (offset, new) in new_events.into_iter().enumerate() {
             self.events.push(Event {
                 conversation_id: conversation.id,
-                cursor: Cursor(seq),
+                cursor: Cursor(last - count + 1 + offset as i64),
                 kind: new.kind,
                 run_id: new.run_id,
                 at,
                 body: new.body,
             });
         }
-        event::Entity::insert_many(rows).exec(&self.tx).await?;
         self.notify(pg::EVENTS, Some(conversation.id)).await?;
         if self.events.iter().any(|e| e.kind == EventKind::RunQueued) {
             self.notify(pg::QUEUED, None).await?;
@@ -321,6 +337,121 @@ impl WriteTx {
             .await?;
         Ok(())
     }
+}
+
+/// Inserts whose results nobody reads in the transaction, kept to be sent
+/// with its next append (`WriteTx::append_after`), in the order added. A
+/// caller adds only rows it built whole, and reads nothing they would
+/// change before that append.
+#[derive(Default)]
+pub(in crate::store) struct Writes(Vec<Statement>);
+
+impl Writes {
+    /// Inserts `model`, as built, in `tx`.
+    pub(in crate::store) fn insert<A>(&mut self, tx: &WriteTx, model: A)
+    where
+        A: ActiveModelTrait,
+    {
+        self.0
+            .push(A::Entity::insert(model).build(tx.get_database_backend()));
+    }
+}
+
+/// An event row to append: its run, kind and payload.
+type EventRow<'k> = (Option<Uuid>, &'k str, serde_json::Value);
+
+/// `append`'s rows in two statements: the conversation's sequence moved on
+/// (returning its new last number), then the rows numbered from it.
+/// Returns the last number.
+async fn append_each(
+    tx: &DatabaseTransaction,
+    conversation: Log<'_>,
+    at: i64,
+    rows: Vec<EventRow<'_>>,
+) -> Result<i64> {
+    let count = rows.len() as i64;
+    let updated = conversation::Entity::update_many()
+        .col_expr(
+            conversation::Column::EventSeq,
+            Expr::col(conversation::Column::EventSeq).add(count),
+        )
+        .filter(conversation::Column::Id.eq(conversation.id))
+        .exec_with_returning(tx)
+        .await?;
+    let last = updated.first().ok_or(Error::NotFound)?.event_seq;
+    let models = rows
+        .into_iter()
+        .enumerate()
+        .map(|(offset, (run_id, kind, payload))| event::ActiveModel {
+            conversation_id: Set(conversation.id),
+            seq: Set(last - count + 1 + offset as i64),
+            tenant: Set(conversation.tenant.to_owned()),
+            run_id: Set(run_id),
+            kind: Set(kind.to_owned()),
+            payload: Set(payload),
+            created_at: Set(at),
+        });
+    event::Entity::insert_many(models).exec(tx).await?;
+    Ok(last)
+}
+
+/// `writes`, then `append_each`, on SQLite, where all of it goes to the
+/// connection's thread as one query (one hand-over instead of one per
+/// statement): the rows take their numbers from the row the update moved
+/// on, and none is inserted when there is no such conversation.
+async fn append_sqlite(
+    tx: &DatabaseTransaction,
+    writes: Writes,
+    conversation: Log<'_>,
+    at: i64,
+    rows: Vec<EventRow<'_>>,
+) -> Result<i64> {
+    let count = rows.len() as i64;
+    let mut sql = String::new();
+    let mut values: Vec<sea_orm::Value> = Vec::new();
+    // Positional parameters number on across a query's statements.
+    for write in writes.0 {
+        sql.push_str(&write.sql);
+        sql.push_str("; ");
+        values.extend(write.values.map(|v| v.0).unwrap_or_default());
+    }
+    // In the order of the placeholders: the update's, the select list's,
+    // the rows', the filter's.
+    values.extend([
+        count.into(),
+        conversation.id.into(),
+        conversation.tenant.into(),
+        at.into(),
+    ]);
+    let mut tuples = Vec::with_capacity(rows.len());
+    for (offset, (run_id, kind, payload)) in rows.into_iter().enumerate() {
+        // Each row's distance from the last number.
+        values.push((count - 1 - offset as i64).into());
+        values.push(run_id.into());
+        values.push(kind.into());
+        values.push(payload.into());
+        tuples.push("(?, ?, ?, ?)");
+    }
+    values.push(conversation.id.into());
+    sql.push_str(&format!(
+        "UPDATE conversations SET event_seq = event_seq + ? WHERE id = ? RETURNING event_seq; \
+         INSERT INTO events (conversation_id, seq, tenant, run_id, kind, payload, created_at) \
+         SELECT c.id, c.event_seq - v.column1, ?, v.column2, v.column3, v.column4, ? \
+         FROM (VALUES {}) AS v, conversations AS c WHERE c.id = ?",
+        tuples.join(", ")
+    ));
+    // All rows, not one: a query for one row stops after the first
+    // statement's row, and the insert would never run. The writes return
+    // none, so the first row is the update's.
+    let returned = tx
+        .query_all_raw(Statement::from_sql_and_values(
+            DatabaseBackend::Sqlite,
+            sql,
+            values,
+        ))
+        .await?;
+    let row = returned.first().ok_or(Error::NotFound)?;
+    Ok(row.try_get_by_index::<i64>(0)?)
 }
 
 /// The conversation whose event log a transaction appends to.
@@ -403,4 +534,100 @@ pub(in crate::store) async fn fence(tx: &WriteTx, lease: &Lease) -> Result<run::
         .one(&**tx)
         .await?
         .ok_or(Error::Fenced)
+}
+
+#[cfg(test)]
+mod tests {
+    use sea_orm::{ColumnTrait, EntityTrait, QueryFilter, QueryOrder};
+    use uuid::Uuid;
+
+    use super::Log;
+    use crate::domain::MessageRole;
+    use crate::domain::cursor::Cursor;
+    use crate::domain::event::NewEvent;
+    use crate::domain::run::RunStatus;
+    use crate::store::entities::{conversation, event};
+    use crate::store::test_support::{conversation, temp_store};
+    use crate::store::{Error, Store};
+
+    async fn rows(store: &Store, id: Uuid) -> Vec<event::Model> {
+        event::Entity::find()
+            .filter(event::Column::ConversationId.eq(id))
+            .order_by_asc(event::Column::Seq)
+            .all(store.db())
+            .await
+            .unwrap()
+    }
+
+    /// Appends in one transaction and in the next number a conversation's
+    /// events on from its sequence, gap-free, each row as its event says.
+    #[tokio::test]
+    async fn appends_number_events_on_from_the_conversation() {
+        let (store, dir) = temp_store().await;
+        let found = conversation(&store).await;
+        let before = rows(&store, found.id).await.len() as i64;
+        let (run, message) = (Uuid::now_v7(), Uuid::now_v7());
+        let mut tx = store.begin_write().await.unwrap();
+        let first = vec![
+            NewEvent::message_created(message, MessageRole::User, None),
+            NewEvent::run_status(run, RunStatus::Queued).unwrap(),
+        ];
+        tx.append(&found, first).await.unwrap();
+        let second = vec![NewEvent::run_status(run, RunStatus::Running).unwrap()];
+        tx.append(&found, second).await.unwrap();
+        let committed = store.commit(tx).await.unwrap();
+        let mut tx = store.begin_write().await.unwrap();
+        let third = vec![NewEvent::message_created(
+            Uuid::now_v7(),
+            MessageRole::Assistant,
+            Some(run),
+        )];
+        tx.append(&found, third).await.unwrap();
+        let later = store.commit(tx).await.unwrap();
+
+        let all: Vec<_> = committed.iter().chain(&later).collect();
+        let cursors: Vec<Cursor> = all.iter().map(|e| e.cursor).collect();
+        let expected: Vec<Cursor> = (before + 1..=before + 4).map(Cursor).collect();
+        assert_eq!(cursors, expected);
+        let stored = rows(&store, found.id).await;
+        assert_eq!(stored.len() as i64, before + 4);
+        for (row, sent) in stored[before as usize..].iter().zip(&all) {
+            assert_eq!(row.seq, sent.cursor.0);
+            assert_eq!(row.kind, sent.kind.as_str());
+            assert_eq!(row.run_id, sent.run_id);
+            assert_eq!(row.tenant, found.tenant);
+            assert_eq!(row.created_at, sent.at);
+            assert_eq!(row.payload, serde_json::to_value(&sent.body).unwrap());
+        }
+        let head = conversation::Entity::find_by_id(found.id)
+            .one(store.db())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(head.event_seq, before + 4);
+        std::fs::remove_dir_all(dir).ok();
+    }
+
+    /// An append to a conversation that is not there is `NotFound` and
+    /// stores nothing.
+    #[tokio::test]
+    async fn an_append_to_no_conversation_stores_nothing() {
+        let (store, dir) = temp_store().await;
+        let missing = Uuid::now_v7();
+        let mut tx = store.begin_write().await.unwrap();
+        let log = Log {
+            id: missing,
+            tenant: "acme",
+        };
+        let new = vec![NewEvent::message_created(
+            Uuid::now_v7(),
+            MessageRole::User,
+            None,
+        )];
+        let err = tx.append(log, new).await.unwrap_err();
+        assert!(matches!(err, Error::NotFound), "{err:?}");
+        store.commit(tx).await.unwrap();
+        assert!(rows(&store, missing).await.is_empty());
+        std::fs::remove_dir_all(dir).ok();
+    }
 }

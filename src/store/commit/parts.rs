@@ -196,25 +196,37 @@ pub(in crate::store) async fn insert_part(
     index: i32,
     content: PartContent<'_>,
 ) -> Result<part::Model> {
+    Ok(
+        part::ActiveModel::from(new_part(run, message_id, index, content))
+            .insert(&**tx)
+            .await?,
+    )
+}
+
+/// A new part of the run's, as `insert_part` stores it.
+pub(in crate::store) fn new_part(
+    run: &run::Model,
+    message_id: Uuid,
+    index: i32,
+    content: PartContent<'_>,
+) -> part::Model {
     let now = now_millis();
-    Ok(part::ActiveModel {
-        id: Set(new_id()),
-        message_id: Set(message_id),
-        conversation_id: Set(run.conversation_id),
-        tenant: Set(run.tenant.clone()),
-        idx: Set(index),
-        kind: Set(content.kind.as_str().to_owned()),
-        state: Set(content.state.as_str().to_owned()),
-        text: Set(content.text.map(str::to_owned)),
-        data: Set(content.data),
-        created_at: Set(now),
-        updated_at: Set(now),
-        run_id: Set(Some(run.id)),
-        abandoned: Set(false),
-        step: Set(run.steps),
+    part::Model {
+        id: new_id(),
+        message_id,
+        conversation_id: run.conversation_id,
+        tenant: run.tenant.clone(),
+        idx: index,
+        kind: content.kind.as_str().to_owned(),
+        state: content.state.as_str().to_owned(),
+        text: content.text.map(str::to_owned),
+        data: content.data,
+        created_at: now,
+        updated_at: now,
+        run_id: Some(run.id),
+        abandoned: false,
+        step: run.steps,
     }
-    .insert(&**tx)
-    .await?)
 }
 
 async fn update_part(tx: &WriteTx, streamed: &PartText, state: PartState) -> Result<part::Model> {

@@ -2,23 +2,22 @@
 //! left open closed, the run's assistant message, and the empty text part
 //! its inference streams into.
 
-use sea_orm::ActiveModelTrait;
 use sea_orm::ActiveValue::Set;
 use uuid::Uuid;
 
 use sea_orm::{ColumnTrait, EntityTrait, QueryFilter};
 
-use super::WriteTx;
 use super::end::abandon_open_parts;
-use super::parts::{OpenPart, PartContent, insert_part, next_index, part_event, reply_message};
+use super::parts::{OpenPart, PartContent, new_part, next_index, part_event, reply_message};
 use super::steer;
+use super::{WriteTx, Writes};
 use crate::domain::cursor::Cursor;
 use crate::domain::event::{EventKind, NewEvent};
 use crate::domain::run::RunStatus;
 use crate::domain::time::{new_id, now_millis};
 use crate::domain::{MessageRole, PartKind};
 use crate::store::Result;
-use crate::store::entities::{message, run, tool_call};
+use crate::store::entities::{message, part, run, tool_call};
 
 /// What the worker knows after its first commit of a claim.
 #[derive(Debug, Clone)]
@@ -36,51 +35,54 @@ pub struct Begun {
 /// Makes a message for the run's reply at `pos` among the run's messages,
 /// with `message.created`: the first (`pos` 1, after the message that
 /// started the run), or the one the reply goes on in after steered messages
-/// joined.
-pub(in crate::store) async fn assistant_message_new(
+/// joined. Its insert goes with the transaction's next append (`writes`).
+pub(in crate::store) fn assistant_message_new(
     tx: &WriteTx,
+    writes: &mut Writes,
     row: &run::Model,
     pos: i64,
     events: &mut Vec<NewEvent>,
-) -> Result<Uuid> {
+) -> Uuid {
     let id = new_id();
-    message::ActiveModel {
-        id: Set(id),
-        conversation_id: Set(row.conversation_id),
-        tenant: Set(row.tenant.clone()),
-        role: Set(MessageRole::Assistant.as_str().to_owned()),
-        run_id: Set(Some(row.id)),
-        client_message_id: Set(None),
-        created_at: Set(now_millis()),
-        run_seq: Set(row.seq),
-        pos: Set(pos),
-    }
-    .insert(&**tx)
-    .await?;
+    writes.insert(
+        tx,
+        message::ActiveModel {
+            id: Set(id),
+            conversation_id: Set(row.conversation_id),
+            tenant: Set(row.tenant.clone()),
+            role: Set(MessageRole::Assistant.as_str().to_owned()),
+            run_id: Set(Some(row.id)),
+            client_message_id: Set(None),
+            created_at: Set(now_millis()),
+            run_seq: Set(row.seq),
+            pos: Set(pos),
+        },
+    );
     events.push(NewEvent::message_created(
         id,
         MessageRole::Assistant,
         Some(row.id),
     ));
-    Ok(id)
+    id
 }
 
-/// Opens the empty streaming text part a step's inference writes into.
-pub(in crate::store) async fn open_text_part(
+/// Opens the empty streaming text part a step's inference writes into. Its
+/// insert goes with the transaction's next append (`writes`).
+pub(in crate::store) fn open_text_part(
     tx: &WriteTx,
+    writes: &mut Writes,
     row: &run::Model,
     message_id: Uuid,
     index: i32,
     events: &mut Vec<NewEvent>,
 ) -> Result<OpenPart> {
-    let part = insert_part(
-        tx,
+    let part = new_part(
         row,
         message_id,
         index,
         PartContent::streaming(PartKind::Text),
-    )
-    .await?;
+    );
+    writes.insert(tx, part::ActiveModel::from(part.clone()));
     events.push(part_event(EventKind::PartAdded, row, &part, Some(0))?);
     Ok(OpenPart {
         id: part.id,
@@ -98,9 +100,11 @@ pub(in crate::store) async fn open_text_part(
 /// to finish) takes the messages steered into the run meanwhile
 /// (`steer::join`). Returns the message the next step writes into and the
 /// part, none while a batch of tool calls of the current step is still to
-/// be finished; the cursor is known once the transaction commits.
+/// be finished; the cursor is known once the transaction commits. The new
+/// rows go with the caller's append (`writes`).
 pub(in crate::store) async fn start(
     tx: &WriteTx,
+    writes: &mut Writes,
     row: &run::Model,
     events: &mut Vec<NewEvent>,
 ) -> Result<(Uuid, Option<OpenPart>)> {
@@ -110,11 +114,11 @@ pub(in crate::store) async fn start(
     if row.lease_epoch == 1 {
         // Messages steered into it while it was queued are read with the
         // message that started it.
-        let message_id = match steer::join(tx, row, events).await? {
+        let message_id = match steer::join(tx, writes, row, events).await? {
             Some(steered) => steered,
-            None => assistant_message_new(tx, row, 1, events).await?,
+            None => assistant_message_new(tx, writes, row, 1, events),
         };
-        let part = open_text_part(tx, row, message_id, 0, events).await?;
+        let part = open_text_part(tx, writes, row, message_id, 0, events)?;
         events.extend(NewEvent::run_status(row.id, RunStatus::Running));
         return Ok((message_id, Some(part)));
     }
@@ -131,20 +135,20 @@ pub(in crate::store) async fn start(
     let steered = if batch_pending {
         None
     } else {
-        steer::join(tx, row, events).await?
+        steer::join(tx, writes, row, events).await?
     };
     let (message_id, index) = match (steered, existing) {
         (Some(steered), _) => (steered, 0),
         (None, Some(existing)) => (existing, next_index(tx, existing).await?),
         (None, None) => {
             let pos = steer::next_pos(tx, row.id).await?;
-            (assistant_message_new(tx, row, pos, events).await?, 0)
+            (assistant_message_new(tx, writes, row, pos, events), 0)
         }
     };
     let part = if batch_pending {
         None
     } else {
-        Some(open_text_part(tx, row, message_id, index, events).await?)
+        Some(open_text_part(tx, writes, row, message_id, index, events)?)
     };
     events.extend(NewEvent::run_status(row.id, RunStatus::Running));
     Ok((message_id, part))

@@ -8,8 +8,8 @@ use sea_orm::sea_query::{Expr, ExprTrait, SimpleExpr};
 use sea_orm::{ActiveModelTrait, ColumnTrait, EntityTrait, QueryFilter, QueryOrder, QuerySelect};
 use uuid::Uuid;
 
-use super::WriteTx;
 use super::start::assistant_message_new;
+use super::{WriteTx, Writes};
 use crate::domain::event::NewEvent;
 use crate::domain::run::EndCause;
 use crate::domain::run::RunStatus;
@@ -38,45 +38,47 @@ pub(in crate::store) struct NewRun<'a> {
 }
 
 /// Stores `new` `QUEUED`. The caller appends its `run.queued`.
-pub(in crate::store) async fn insert_queued_run(
-    tx: &WriteTx,
-    new: NewRun<'_>,
-) -> Result<run::Model> {
-    Ok(run::ActiveModel {
-        id: Set(new.id),
-        conversation_id: Set(new.conversation_id),
-        tenant: Set(new.tenant.to_owned()),
-        principal: Set(new.principal.to_owned()),
-        agent: Set(new.agent.to_owned()),
-        trigger_message_id: Set(new.trigger_message_id),
-        status: Set(RunStatus::Queued.as_str().to_owned()),
-        end_cause: Set(None),
-        error: Set(None),
-        cancel_requested: Set(false),
-        attempt: Set(0),
-        max_attempts: Set(new.max_attempts),
-        next_attempt_at: Set(None),
-        steps: Set(0),
-        input_tokens: Set(0),
-        output_tokens: Set(0),
-        cost_usd: Set(0.0),
-        created_at: Set(now_millis()),
-        started_at: Set(None),
-        ended_at: Set(None),
-        lease_owner: Set(None),
-        lease_epoch: Set(0),
-        lease_expires_at: Set(None),
-        recoveries: Set(0),
-        active_ms: Set(0),
-        end_reason: Set(None),
-        claimed_at: Set(None),
-        seq: Set(new.seq),
-        cancel_cause: Set(None),
-        steering: Set(0),
-        steered: Set(false),
+async fn insert_queued_run(tx: &WriteTx, new: NewRun<'_>) -> Result<run::Model> {
+    Ok(run::ActiveModel::from(queued_run(new))
+        .insert(&**tx)
+        .await?)
+}
+
+/// A new `QUEUED` run, as `insert_queued_run` stores it.
+pub(in crate::store) fn queued_run(new: NewRun<'_>) -> run::Model {
+    run::Model {
+        id: new.id,
+        conversation_id: new.conversation_id,
+        tenant: new.tenant.to_owned(),
+        principal: new.principal.to_owned(),
+        agent: new.agent.to_owned(),
+        trigger_message_id: new.trigger_message_id,
+        status: RunStatus::Queued.as_str().to_owned(),
+        end_cause: None,
+        error: None,
+        cancel_requested: false,
+        attempt: 0,
+        max_attempts: new.max_attempts,
+        next_attempt_at: None,
+        steps: 0,
+        input_tokens: 0,
+        output_tokens: 0,
+        cost_usd: 0.0,
+        created_at: now_millis(),
+        started_at: None,
+        ended_at: None,
+        lease_owner: None,
+        lease_epoch: 0,
+        lease_expires_at: None,
+        recoveries: 0,
+        active_ms: 0,
+        end_reason: None,
+        claimed_at: None,
+        seq: new.seq,
+        cancel_cause: None,
+        steering: 0,
+        steered: false,
     }
-    .insert(&**tx)
-    .await?)
 }
 
 /// Stores a message steered into `run` as waiting for its next step
@@ -137,10 +139,12 @@ async fn waiting(tx: &WriteTx, run_id: Uuid) -> Result<Vec<message::Model>> {
 /// call and its result): the messages steered into it join the run in the
 /// order sent, `run.steered` says so, and the reply goes on in a new message
 /// after them, so that every reader sees them where the model reads them.
-/// Returns that message; `None`, and nothing written, when no message was
-/// waiting or the run is asked to stop (its end settles them).
+/// Returns that message (its insert goes with the caller's append,
+/// `writes`); `None`, and nothing written, when no message was waiting or
+/// the run is asked to stop (its end settles them).
 pub(in crate::store) async fn join(
     tx: &WriteTx,
+    writes: &mut Writes,
     row: &run::Model,
     events: &mut Vec<NewEvent>,
 ) -> Result<Option<Uuid>> {
@@ -165,7 +169,7 @@ pub(in crate::store) async fn join(
         pos += 1;
     }
     events.push(NewEvent::run_steered(row.id));
-    Ok(Some(assistant_message_new(tx, row, pos, events).await?))
+    Ok(Some(assistant_message_new(tx, writes, row, pos, events)))
 }
 
 /// `row` ends: every steered message it did not answer is settled, so that
