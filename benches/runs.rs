@@ -490,7 +490,7 @@ struct Level {
     completed: Vec<Duration>,
     writes: u64,
     /// Queries on the main pool, and on the API's read pool.
-    statements: (u64, u64),
+    queries: (u64, u64),
 }
 
 impl Level {
@@ -537,7 +537,7 @@ async fn closed_loop(
         .collect();
     ready.wait().await;
     let writes_before = running.store.write_transactions();
-    let statements_before = (running.store.statements(), running.store.read_statements());
+    let queries_before = (running.store.statements(), running.store.read_statements());
     let started = Instant::now();
     let mut samples = Vec::new();
     for task in tasks {
@@ -545,9 +545,9 @@ async fn closed_loop(
     }
     let elapsed = started.elapsed();
     let writes = running.store.write_transactions() - writes_before;
-    let statements = (
-        running.store.statements() - statements_before.0,
-        running.store.read_statements() - statements_before.1,
+    let queries = (
+        running.store.statements() - queries_before.0,
+        running.store.read_statements() - queries_before.1,
     );
     let mut answered: Vec<Duration> = samples.iter().map(|s| s.0).collect();
     let mut first_delta: Vec<Duration> = samples.iter().map(|s| s.1).collect();
@@ -564,7 +564,7 @@ async fn closed_loop(
         first_delta,
         completed,
         writes,
-        statements,
+        queries,
     }
 }
 
@@ -1184,8 +1184,8 @@ fn print(label: &str, sizes: &Sizes, f: &Figures) {
             format!("  queries per run, {n}: main pool / API read pool"),
             format!(
                 "{:.1} / {:.1}",
-                level.statements.0 as f64 / runs,
-                level.statements.1 as f64 / runs
+                level.queries.0 as f64 / runs,
+                level.queries.1 as f64 / runs
             ),
         );
         let r = t.row(

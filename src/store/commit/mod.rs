@@ -260,27 +260,18 @@ impl WriteTx {
     ) -> Result<()> {
         let conversation = log.into();
         let sqlite = self.get_database_backend() == DatabaseBackend::Sqlite;
-        if new_events.is_empty() || !sqlite {
+        // Only SQLite's append query carries them; elsewhere they go first.
+        let writes = if sqlite && !new_events.is_empty() {
+            writes
+        } else {
             for write in writes.0 {
                 self.tx.execute_raw(write).await?;
             }
-            if new_events.is_empty() {
-                return Ok(());
-            }
-            return self
-                .append_rows(Writes::default(), conversation, new_events)
-                .await;
+            Writes::default()
+        };
+        if new_events.is_empty() {
+            return Ok(());
         }
-        self.append_rows(writes, conversation, new_events).await
-    }
-
-    /// `append_after` with at least one event.
-    async fn append_rows(
-        &mut self,
-        writes: Writes,
-        conversation: Log<'_>,
-        new_events: Vec<NewEvent>,
-    ) -> Result<()> {
         let count = new_events.len() as i64;
         let at = now_millis();
         let mut rows = Vec::with_capacity(new_events.len());
@@ -289,7 +280,7 @@ impl WriteTx {
                 .map_err(|e| Error::Corrupt(format!("event body: {e}")))?;
             rows.push((new.run_id, new.kind.as_str(), payload));
         }
-        let last = if self.get_database_backend() == DatabaseBackend::Sqlite {
+        let last = if sqlite {
             append_sqlite(&self.tx, writes, conversation, at, rows).await?
         } else {
             append_each(&self.tx, conversation, at, rows).await?
