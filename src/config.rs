@@ -105,6 +105,10 @@ pub struct RuntimeConfig {
     pub shutdown_grace_secs: f64,
     /// Calls of one batch that run at once.
     pub tool_concurrency: usize,
+    /// Memory for the histories of conversations' ended runs that this
+    /// process keeps between claims (`runtime::history::Histories`), in
+    /// MiB; 0 keeps none.
+    pub history_cache_mib: u64,
 }
 
 impl Default for RuntimeConfig {
@@ -118,6 +122,7 @@ impl Default for RuntimeConfig {
             poll_ms: 1000,
             shutdown_grace_secs: 10.0,
             tool_concurrency: 4,
+            history_cache_mib: 64,
         }
     }
 }
@@ -952,6 +957,12 @@ impl FileConfig {
         duration_ms("runtime.checkpoint_ms", rt.checkpoint_ms)?;
         between("runtime.concurrency", rt.concurrency, 1, 10_000)?;
         between("runtime.tool_concurrency", rt.tool_concurrency, 1, 1_000)?;
+        between(
+            "runtime.history_cache_mib",
+            rt.history_cache_mib,
+            0,
+            1 << 20,
+        )?;
         at_least("runtime.poll_ms", rt.poll_ms, 10)?;
         duration_ms("runtime.poll_ms", rt.poll_ms)?;
         non_negative("runtime.shutdown_grace_secs", rt.shutdown_grace_secs)?;

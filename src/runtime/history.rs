@@ -1,6 +1,9 @@
 //! The history sent to the model, rebuilt from committed facts only.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::sync::{Arc, Mutex, PoisonError};
+
+use lru::LruCache;
 
 use sea_orm::{ColumnTrait, EntityTrait, QueryFilter, QueryOrder};
 use uuid::Uuid;
@@ -48,13 +51,15 @@ impl History {
 /// and errors are shown to people, never to the model; reasoning goes back
 /// only with its signature.
 ///
-/// Only what the request needs is read: with a summary, the messages from
-/// the question whose pair it ends in (see `after_summary`), and the parts,
-/// tool calls and questions of the messages that follow the summary, each
-/// by index. Without one, every message: compaction, which decides from the
-/// whole history whether to summarize and summarizes all but the latest
-/// turns, needs all of them.
-pub async fn load(store: &Store, run: &run::Model) -> Result<History> {
+/// Only what the request needs is read. The turns of the runs before this
+/// one that `histories` kept (under the same latest summary) are not read
+/// again: only the messages of this run and of those it has not seen, by
+/// index. Otherwise, with a summary, the messages from the question whose
+/// pair it ends in (see `after_summary`); without one, every message:
+/// compaction, which decides from the whole history whether to summarize
+/// and summarizes all but the latest turns, needs all of them. Then the
+/// parts, tool calls and questions of the messages read, each by index.
+pub async fn load(store: &Store, histories: &Histories, run: &run::Model) -> Result<History> {
     let db = store.db();
     let latest_summary = summary::Entity::find()
         .filter(summary::Column::Tenant.eq(run.tenant.as_str()))
@@ -64,23 +69,206 @@ pub async fn load(store: &Store, run: &run::Model) -> Result<History> {
         .order_by_desc(summary::Column::Id)
         .one(db)
         .await?;
-    let tail = match &latest_summary {
-        Some(summary) => after_summary(store, run, summary).await?,
-        None => None,
-    };
-    let ordered = match tail {
-        Some(tail) => tail,
-        None => {
+    let summary_id = latest_summary.as_ref().map(|s| s.id);
+    let (kept, ordered) = match histories.get(run, summary_id) {
+        Some(kept) => {
             let messages =
-                reads::messages(db, &run.tenant, run.conversation_id, None, None).await?;
+                reads::messages_from_run(db, &run.tenant, run.conversation_id, kept.before_seq)
+                    .await?;
             let mut ordered = in_order(messages, run);
+            // The summary's last message is either among those kept (and
+            // so not read again) or among these.
             if let Some(summary) = &latest_summary {
                 drain_through(&mut ordered, summary.through_message_id);
             }
-            ordered
+            (kept, ordered)
+        }
+        None => {
+            let kept = Kept::empty(summary_id);
+            let tail = match &latest_summary {
+                Some(summary) => after_summary(store, run, summary).await?,
+                None => None,
+            };
+            let ordered = match tail {
+                Some(tail) => tail,
+                None => {
+                    let messages =
+                        reads::messages(db, &run.tenant, run.conversation_id, None, None).await?;
+                    let mut ordered = in_order(messages, run);
+                    if let Some(summary) = &latest_summary {
+                        drain_through(&mut ordered, summary.through_message_id);
+                    }
+                    ordered
+                }
+            };
+            (kept, ordered)
         }
     };
-    build(store, run, latest_summary.as_ref(), ordered).await
+    // Messages of this run may still change (steered ones join it); those
+    // of the runs before it, which have all ended, no longer do.
+    let current: HashSet<Uuid> = ordered
+        .iter()
+        .filter(|m| m.run_seq >= run.seq)
+        .map(|m| m.id)
+        .collect();
+    let read = build(store, run, ordered).await?;
+    let split = read
+        .sources
+        .iter()
+        .position(|source| source.is_some_and(|id| current.contains(&id)))
+        .unwrap_or(read.turns.len());
+    let kept = histories.keep(run, kept, &read, split);
+
+    let mut history = History::default();
+    if let Some(summary) = &latest_summary {
+        // Everything up to the message it was made through is replaced.
+        let text = format!("{SUMMARY_HEADING}\n{}", summary.text);
+        history.push(Turn::text(MessageRole::User, text), None);
+    }
+    history.turns.extend(kept.history.turns.iter().cloned());
+    history.sources.extend(kept.history.sources.iter().copied());
+    history.turns.extend(read.turns.into_iter().skip(split));
+    history.sources.extend(read.sources.into_iter().skip(split));
+    Ok(history)
+}
+
+/// The turns of conversations' ended runs that this process keeps between
+/// claims, within a memory budget (`runtime.history_cache_mib`), the least
+/// recently used dropped first. What they were built from no longer
+/// changes: runs of a conversation execute one at a time in order, and an
+/// ended run's messages, parts, tool calls and questions are final (its
+/// unanswered steered messages are moved to later runs as it ends). Each
+/// entry holds for one latest summary; a new summary (a compaction, here or
+/// in another process) makes the next step read afresh. Runs that other
+/// processes executed meanwhile are read as this run's new messages are.
+pub struct Histories {
+    budget: usize,
+    kept: Mutex<KeptAll>,
+}
+
+struct KeptAll {
+    entries: LruCache<Key, Arc<Kept>>,
+    bytes: usize,
+}
+
+/// A conversation: its tenant and id.
+type Key = (String, Uuid);
+
+fn key_of(run: &run::Model) -> Key {
+    (run.tenant.clone(), run.conversation_id)
+}
+
+/// The turns of a conversation's messages, after `summary`, of the runs
+/// numbered below `before_seq`.
+#[derive(Debug, Clone)]
+struct Kept {
+    summary: Option<Uuid>,
+    before_seq: i64,
+    history: History,
+    bytes: usize,
+}
+
+impl Kept {
+    fn empty(summary: Option<Uuid>) -> Arc<Kept> {
+        Arc::new(Kept {
+            summary,
+            before_seq: 0,
+            history: History::default(),
+            bytes: 0,
+        })
+    }
+}
+
+/// What a kept entry costs beyond its text, roughly.
+const ENTRY_OVERHEAD: usize = 256;
+const TURN_OVERHEAD: usize = 64;
+
+fn turn_bytes(turn: &Turn) -> usize {
+    TURN_OVERHEAD + turn.as_text().len()
+}
+
+impl Histories {
+    pub fn new(budget_mib: u64) -> Histories {
+        Histories::within(usize::try_from(budget_mib.saturating_mul(1 << 20)).unwrap_or(usize::MAX))
+    }
+
+    fn within(budget: usize) -> Histories {
+        Histories {
+            budget,
+            kept: Mutex::new(KeptAll {
+                entries: LruCache::unbounded(),
+                bytes: 0,
+            }),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, KeptAll> {
+        self.kept.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// How many conversations have turns kept.
+    pub fn len(&self) -> usize {
+        self.lock().entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The turns kept for `run`'s conversation, if they were kept under
+    /// the same latest summary and end before `run`.
+    fn get(&self, run: &run::Model, summary: Option<Uuid>) -> Option<Arc<Kept>> {
+        if self.budget == 0 {
+            return None;
+        }
+        self.lock()
+            .entries
+            .get(&key_of(run))
+            .filter(|kept| kept.summary == summary && kept.before_seq <= run.seq)
+            .cloned()
+    }
+
+    /// `kept` followed by the first `split` turns of `read` (those of the
+    /// runs before `run`), kept for the conversation's next run when they
+    /// fit the budget. Returns the turns that come before `read`'s others.
+    fn keep(&self, run: &run::Model, kept: Arc<Kept>, read: &History, split: usize) -> Arc<Kept> {
+        if split == 0 && kept.before_seq == run.seq {
+            return kept;
+        }
+        let mut grown = Kept::clone(&kept);
+        grown.before_seq = run.seq;
+        for (turn, source) in read.turns[..split].iter().zip(&read.sources[..split]) {
+            grown.bytes += turn_bytes(turn);
+            grown.history.push(turn.clone(), *source);
+        }
+        let grown = Arc::new(grown);
+        if self.budget > 0 {
+            self.put(key_of(run), grown.clone());
+        }
+        grown
+    }
+
+    /// Keeps `entry` for a conversation in place of what was kept, dropping
+    /// the least recently used others to make room; an entry larger than
+    /// the whole budget is not kept.
+    fn put(&self, key: Key, entry: Arc<Kept>) {
+        let size = ENTRY_OVERHEAD + entry.bytes;
+        let mut all = self.lock();
+        if let Some(old) = all.entries.pop(&key) {
+            all.bytes -= ENTRY_OVERHEAD + old.bytes;
+        }
+        if size > self.budget {
+            return;
+        }
+        while all.bytes + size > self.budget {
+            let Some((_, dropped)) = all.entries.pop_lru() else {
+                break;
+            };
+            all.bytes -= ENTRY_OVERHEAD + dropped.bytes;
+        }
+        all.bytes += size;
+        all.entries.put(key, entry);
+    }
 }
 
 /// The messages up to the run's own, in the reading order the store gives
@@ -131,14 +319,9 @@ async fn after_summary(
     Ok(drain_through(&mut ordered, through.id).then_some(ordered))
 }
 
-/// The history of `ordered` messages (after the summary, if any), reading
+/// The turns of `ordered` messages (after the summary, if any), reading
 /// their parts, and the tool calls and questions those parts show.
-async fn build(
-    store: &Store,
-    run: &run::Model,
-    latest_summary: Option<&summary::Model>,
-    ordered: Vec<message::Model>,
-) -> Result<History> {
+async fn build(store: &Store, run: &run::Model, ordered: Vec<message::Model>) -> Result<History> {
     let db = store.db();
     let ids: Vec<Uuid> = ordered.iter().map(|m| m.id).collect();
     let mut parts = reads::parts_of(db, &run.tenant, &ids).await?;
@@ -167,11 +350,6 @@ async fn build(
     let mut asked = reads::interactions_of_parts(db, &run.tenant, &questions).await?;
 
     let mut history = History::default();
-    if let Some(summary) = latest_summary {
-        // Everything up to the message it was made through is replaced.
-        let text = format!("{SUMMARY_HEADING}\n{}", summary.text);
-        history.push(Turn::text(MessageRole::User, text), None);
-    }
     for message in ordered {
         let parts = parts.remove(&message.id).unwrap_or_default();
         if parse_stored::<MessageRole>(&message.role, "message role")? == MessageRole::User {
@@ -299,4 +477,53 @@ fn step_turns(
     // Tool results come first in their user turn, as the providers require.
     results.content.extend(answers);
     Ok((said, results))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(text: &str) -> Arc<Kept> {
+        let turn = Turn::text(MessageRole::User, text);
+        Arc::new(Kept {
+            summary: None,
+            before_seq: 2,
+            bytes: turn_bytes(&turn),
+            history: History {
+                turns: vec![turn],
+                sources: vec![Some(Uuid::now_v7())],
+            },
+        })
+    }
+
+    fn key(n: u128) -> Key {
+        ("acme".to_owned(), Uuid::from_u128(n))
+    }
+
+    #[test]
+    fn the_least_recently_used_go_first_when_the_budget_is_full() {
+        let each = ENTRY_OVERHEAD + entry("x".repeat(100).as_str()).bytes;
+        let histories = Histories::within(2 * each + each / 2);
+        histories.put(key(1), entry(&"a".repeat(100)));
+        histories.put(key(2), entry(&"b".repeat(100)));
+        assert_eq!(histories.len(), 2);
+        // The first is used: the second is now the least recently used.
+        assert!(histories.lock().entries.get(&key(1)).is_some());
+        histories.put(key(3), entry(&"c".repeat(100)));
+        let all = histories.lock();
+        assert!(all.entries.contains(&key(1)) && all.entries.contains(&key(3)));
+        assert!(!all.entries.contains(&key(2)));
+        assert_eq!(all.bytes, 2 * each);
+    }
+
+    #[test]
+    fn an_entry_beyond_the_whole_budget_is_not_kept_and_its_old_one_goes() {
+        let small = entry("a");
+        let histories = Histories::within(ENTRY_OVERHEAD + small.bytes + 10);
+        histories.put(key(1), small);
+        assert_eq!(histories.len(), 1);
+        histories.put(key(1), entry(&"b".repeat(1000)));
+        assert!(histories.is_empty());
+        assert_eq!(histories.lock().bytes, 0);
+    }
 }

@@ -26,6 +26,7 @@ use crate::store::{Store, retry_within};
 use crate::telemetry;
 use crate::tools::registry::Registry as ToolRegistry;
 use engine::{Control, Executed, Stop};
+use history::Histories;
 
 /// How often workers look for cancellations that no notification brought.
 const CANCEL_POLL: Duration = Duration::from_secs(1);
@@ -148,6 +149,7 @@ async fn dispatch(
     }
 
     let controls = Controls::default();
+    let histories = Arc::new(Histories::new(rt.history_cache_mib));
     let slots = Arc::new(Semaphore::new(rt.concurrency));
     let freed = Arc::new(Notify::new());
     let mut tasks = JoinSet::new();
@@ -186,16 +188,17 @@ async fn dispatch(
                     break;
                 };
                 let control = controls.open(claimed.run.id);
-                let (store, config, tools, controls, freed) = (
+                let (store, config, tools, histories, controls, freed) = (
                     store.clone(),
                     config.clone(),
                     tools.clone(),
+                    histories.clone(),
                     controls.clone(),
                     freed.clone(),
                 );
                 tasks.spawn(async move {
                     let run_id = claimed.run.id;
-                    hold(store, config, tools, claimed, control.clone()).await;
+                    hold(store, config, tools, histories, claimed, control.clone()).await;
                     controls.close(run_id, &control);
                     drop(permit);
                     freed.notify_one();
@@ -281,6 +284,7 @@ async fn hold(
     store: Store,
     config: Arc<FileConfig>,
     tools: Arc<ToolRegistry>,
+    histories: Arc<Histories>,
     claimed: queue::Claimed,
     control: Arc<Control>,
 ) {
@@ -313,7 +317,15 @@ async fn hold(
     // the end of the shutdown grace): a lease nobody works under must run
     // out so that the run is recovered.
     let heartbeat = AbortOnDropHandle::new(heartbeat);
-    let executed = engine::execute(store.clone(), config.clone(), tools, claimed, control).await;
+    let executed = engine::execute(
+        store.clone(),
+        config.clone(),
+        tools,
+        histories,
+        claimed,
+        control,
+    )
+    .await;
     if let Executed::Failed { run_at_fault } = executed {
         drop(heartbeat);
         let within = Duration::from_millis(lease_ms.max(0) as u64);

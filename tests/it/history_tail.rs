@@ -15,7 +15,7 @@ use tether::domain::interaction::{InteractionKind, InteractionStatus};
 use tether::domain::tool_call::{ToolCallStatus, ToolOutcome};
 use tether::domain::{MessageRole, PartKind, PartState};
 use tether::providers::Turn;
-use tether::runtime::history::{self, History, SUMMARY_HEADING};
+use tether::runtime::history::{self, Histories, History, SUMMARY_HEADING};
 use tether::store::Actor;
 use tether::store::Store;
 use tether::store::commands::{self, NewConversation, NewMessage};
@@ -264,8 +264,11 @@ impl Conversation {
         .unwrap();
     }
 
+    /// The history read afresh: nothing kept from an earlier load.
     async fn load(&self, run: &run::Model) -> History {
-        history::load(&self.store, run).await.unwrap()
+        history::load(&self.store, &Histories::new(0), run)
+            .await
+            .unwrap()
     }
 }
 
@@ -471,6 +474,105 @@ async fn a_step_reads_nothing_before_the_latest_summary() {
     )
     .await;
     assert_same(&c.load(r5).await, &expected, "covered questions corrupt");
+}
+
+/// Loads kept between runs: each run's history is the one read afresh,
+/// and once a run has loaded, the messages of the runs before it, their
+/// parts, tool calls and questions are not read again (corrupt, they would
+/// fail a fresh read). A new summary is taken up at once.
+#[tokio::test]
+async fn the_history_of_ended_runs_is_kept_and_not_read_again() {
+    let db = TestDb::new().await;
+    let (c, runs, ordered) = queued_conversation(&db).await;
+    let mut fresh = Vec::new();
+    for run in &runs {
+        fresh.push(c.load(run).await);
+    }
+    let kept = Histories::new(64);
+    let load = |run: &run::Model| {
+        let (store, kept, run) = (c.store.clone(), &kept, run.clone());
+        async move { history::load(&store, kept, &run).await }
+    };
+    for (run, expected) in runs.iter().zip(&fresh).take(4) {
+        let got = load(run).await.unwrap();
+        assert_same(&got, expected, &format!("run {}", run.seq));
+        // A second step of the same run reads the same.
+        assert_same(&load(run).await.unwrap(), expected, "again");
+    }
+
+    // Everything of the runs before the fourth, which loaded last.
+    let store = &c.store;
+    let r4 = &runs[3];
+    let earlier: Vec<Uuid> = message::Entity::find()
+        .filter(message::Column::ConversationId.eq(c.id))
+        .filter(message::Column::RunSeq.lt(r4.seq))
+        .all(store.db())
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|m| m.id)
+        .collect();
+    assert!(earlier.len() >= 6, "three runs' questions and replies");
+    let roles = message::Entity::update_many()
+        .col_expr(message::Column::Role, Expr::value("CORRUPT"))
+        .filter(message::Column::Id.is_in(earlier.clone()))
+        .exec(store.db())
+        .await
+        .unwrap();
+    assert_eq!(roles.rows_affected, earlier.len() as u64);
+    corrupt::<part::Entity>(
+        store,
+        "parts",
+        (part::Column::Id, part::Column::State),
+        sea_orm::Condition::all().add(part::Column::MessageId.is_in(earlier)),
+    )
+    .await;
+    let before: Vec<Uuid> = runs[..3].iter().map(|r| r.id).collect();
+    corrupt::<tool_call::Entity>(
+        store,
+        "tool_calls",
+        (tool_call::Column::Id, tool_call::Column::Name),
+        sea_orm::Condition::all().add(tool_call::Column::RunId.is_in(before.clone())),
+    )
+    .await;
+    corrupt::<interaction::Entity>(
+        store,
+        "interactions",
+        (interaction::Column::Id, interaction::Column::Status),
+        sea_orm::Condition::all().add(interaction::Column::RunId.is_in(before)),
+    )
+    .await;
+    let r5 = &runs[4];
+    assert!(
+        history::load(store, &Histories::new(0), r5).await.is_err(),
+        "a fresh read fails on the corrupt rows"
+    );
+    // Another step of the fourth run, then the fifth run.
+    assert_same(&load(r4).await.unwrap(), &fresh[3], "run 4 again, kept");
+    assert_same(&load(r5).await.unwrap(), &fresh[4], "run 5, kept");
+
+    // A summary through the fourth run's reply, made after the history was
+    // kept: the next load has it in place of what it covers.
+    let through = ordered[ordered.len() - 3];
+    c.summarize(r5, through, "up to the fourth reply").await;
+    let expected = summarized(&fresh[4], through, "up to the fourth reply");
+    assert_same(&load(r5).await.unwrap(), &expected, "after a summary");
+    assert_same(&load(r5).await.unwrap(), &expected, "after a summary, kept");
+}
+
+/// With `runtime.history_cache_mib = 0` nothing is kept; with a budget, one
+/// entry per conversation.
+#[tokio::test]
+async fn a_budget_of_0_keeps_nothing() {
+    let db = TestDb::new().await;
+    let (c, runs, _) = queued_conversation(&db).await;
+    for (budget, entries) in [(0, 0), (1, 1)] {
+        let kept = Histories::new(budget);
+        for run in &runs {
+            history::load(&c.store, &kept, run).await.unwrap();
+        }
+        assert_eq!(kept.len(), entries, "budget {budget} MiB");
+    }
 }
 
 /// A summary whose message cannot be found where a summary leaves it (here:

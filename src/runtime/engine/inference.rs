@@ -18,7 +18,7 @@ use crate::domain::time::now_millis;
 use crate::failpoints;
 use crate::providers::{ModelEvent, ModelRequest, Provider, ProviderError};
 use crate::runtime::compaction;
-use crate::runtime::history::{self, History};
+use crate::runtime::history::{self, Histories, History};
 use crate::store::commit::{Begun, Lease, OpenPart, PartText, utf16_len};
 use crate::store::entities::run;
 use crate::store::runs::{self, Compaction};
@@ -45,6 +45,7 @@ pub(super) async fn compact(
 ) -> store::Result<History> {
     let Context {
         store,
+        histories,
         lease,
         run,
         agent,
@@ -89,13 +90,14 @@ pub(super) async fn compact(
     let (usage, cursor) = runs::record_compaction(store, lease, compaction, cost).await?;
     attempt.base = usage;
     attempt.cursor = cursor;
-    history::load(store, run).await
+    history::load(store, histories, run).await
 }
 
 /// What compaction works with.
 #[derive(Clone, Copy)]
 pub(super) struct Context<'a> {
     pub(super) store: &'a Store,
+    pub(super) histories: &'a Histories,
     pub(super) lease: &'a Lease,
     pub(super) run: &'a run::Model,
     pub(super) agent: &'a AgentConfig,

@@ -23,7 +23,8 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
 
-use super::{history, stop};
+use super::history::{self, Histories};
+use super::stop;
 use crate::config::{AgentConfig, PolicyConfig};
 use crate::domain::run::EndCause;
 use crate::providers::{ModelRequest, Provider, ToolSpec};
@@ -82,6 +83,8 @@ struct Steps<'a> {
     run: &'a run::Model,
     agent: &'a AgentConfig,
     tools: &'a Registry,
+    /// The histories of ended runs kept between claims.
+    histories: &'a Histories,
     /// The tools this agent offers its model.
     offered: Vec<Arc<Tool>>,
     provider: &'a dyn Provider,
@@ -113,9 +116,10 @@ impl Steps<'_> {
 
         // Before inference: the history, from committed facts only, compacted
         // when it would exceed the context budget.
-        let history = history::load(store, self.run).await?;
+        let history = history::load(store, self.histories, self.run).await?;
         let context = Context {
             store,
+            histories: self.histories,
             lease,
             run: self.run,
             agent,

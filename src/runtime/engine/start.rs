@@ -15,6 +15,7 @@ use crate::domain::run::EndCause;
 use crate::domain::time::secs_to_millis;
 use crate::failpoints;
 use crate::providers;
+use crate::runtime::history::Histories;
 use crate::store::commit::{Begun, Lease};
 use crate::store::queue;
 use crate::store::runs;
@@ -30,6 +31,7 @@ pub async fn execute(
     store: Store,
     config: Arc<FileConfig>,
     tools: Arc<Registry>,
+    histories: Arc<Histories>,
     claimed: queue::Claimed,
     control: Arc<Control>,
 ) -> Executed {
@@ -41,9 +43,17 @@ pub async fn execute(
         tenant = %lease.tenant,
         epoch = lease.epoch
     );
-    match drive(&store, &config, &tools, &lease, claimed.begun, &control)
-        .instrument(span.clone())
-        .await
+    match drive(
+        &store,
+        &config,
+        &tools,
+        &histories,
+        &lease,
+        claimed.begun,
+        &control,
+    )
+    .instrument(span.clone())
+    .await
     {
         Ok(()) => Executed::Done,
         Err(store::Error::Fenced) => {
@@ -82,6 +92,7 @@ async fn drive(
     store: &Store,
     config: &FileConfig,
     tools: &Registry,
+    histories: &Histories,
     lease: &Lease,
     begun: Option<Begun>,
     control: &Control,
@@ -122,6 +133,7 @@ async fn drive(
         run,
         agent,
         tools,
+        histories,
         offered: tools.for_agent(agent),
         provider: provider.as_ref(),
         control,
