@@ -90,16 +90,21 @@ fn event_for(state: ToolCallState) -> EventKind {
 
 /// Gives every unfinished call of an ending run its one result: a started
 /// call `INTERRUPTED`, an unstarted one `NOT_STARTED`.
-pub(in crate::store) async fn close_unfinished(
-    tx: &WriteTx,
-    row: &run::Model,
-) -> Result<Vec<NewEvent>> {
-    let open_calls = tool_call::Entity::find()
-        .filter(tool_call::Column::RunId.eq(row.id))
+/// The run's tool calls without a result yet.
+pub(in crate::store) fn unfinished(run_id: Uuid) -> sea_orm::Select<tool_call::Entity> {
+    tool_call::Entity::find()
+        .filter(tool_call::Column::RunId.eq(run_id))
         .filter(tool_call::Column::Status.is_not_in([
             ToolCallStatus::Completed.as_str(),
             ToolCallStatus::Indeterminate.as_str(),
         ]))
+}
+
+pub(in crate::store) async fn close_unfinished(
+    tx: &WriteTx,
+    row: &run::Model,
+) -> Result<Vec<NewEvent>> {
+    let open_calls = unfinished(row.id)
         .order_by_asc(tool_call::Column::Step)
         .order_by_asc(tool_call::Column::Idx)
         .all(&**tx)

@@ -4,19 +4,23 @@
 //! pending interactions).
 
 use sea_orm::ActiveValue::Set;
-use sea_orm::{ActiveModelTrait, ColumnTrait, EntityTrait, QueryFilter, QueryOrder};
+use sea_orm::sea_query::{Expr, Query};
+use sea_orm::{
+    ActiveModelTrait, ColumnTrait, ConnectionTrait, EntityTrait, QueryFilter, QueryOrder,
+    QuerySelect, QueryTrait,
+};
 use uuid::Uuid;
 
 use super::WriteTx;
-use super::calls::close_unfinished;
+use super::calls::{close_unfinished, unfinished};
 use super::parts::{part_event_for, reply_message, show_at_end, utf16_len};
-use super::pending::cancel_pending;
+use super::pending::{cancel_pending, pending_where};
 use super::steer;
 use crate::domain::event::{EventBody, EventKind, NewEvent};
 use crate::domain::run::{EndCause, RunError, RunInput, RunStatus, Usage, transition};
 use crate::domain::time::now_millis;
 use crate::domain::{PartKind, PartState};
-use crate::store::entities::{part, run, run_audit};
+use crate::store::entities::{interaction, part, run, run_audit};
 use crate::store::{Error, Result, parse_stored};
 
 /// How a run ends, with what it used.
@@ -94,8 +98,10 @@ pub(in crate::store) async fn end_closed(
         (EndCause::Cancelled, Some(asked)) => parse_stored(asked, "cancel cause")?,
         _ => cause,
     };
-    events.extend(close_unfinished(tx, &row).await?);
-    events.extend(cancel_pending(tx, &row).await?);
+    if anything_open(tx, row.id).await? {
+        events.extend(close_unfinished(tx, &row).await?);
+        events.extend(cancel_pending(tx, &row).await?);
+    }
     // A failure is shown where the reply is read, not only on the run.
     if let Some(error) = &error
         && let Some(message_id) = reply_message(tx, &row).await?
@@ -110,7 +116,8 @@ pub(in crate::store) async fn end_closed(
     } else {
         row.active_ms
     };
-    run_audit::ActiveModel {
+    // Nothing in a write reads it back: it goes with the next append.
+    tx.defer_insert(run_audit::ActiveModel {
         run_id: Set(row.id),
         tenant: Set(row.tenant.clone()),
         conversation_id: Set(row.conversation_id),
@@ -123,9 +130,7 @@ pub(in crate::store) async fn end_closed(
         active_ms: Set(active_ms),
         recoveries: Set(row.recoveries),
         ended_at: Set(now),
-    }
-    .insert(&**tx)
-    .await?;
+    });
     let run_id = row.id;
     let error = match error {
         Some(error) => {
@@ -152,6 +157,27 @@ pub(in crate::store) async fn end_closed(
     events.extend(NewEvent::run_status(run_id, to));
     steer::settle(tx, &row, cause, &mut events).await?;
     Ok(events)
+}
+
+/// Whether the run has a tool call without a result or a pending
+/// interaction, in one query: a run that has neither (most) is ended
+/// without looking for them one by one.
+async fn anything_open(tx: &WriteTx, run_id: Uuid) -> Result<bool> {
+    use sea_orm::sea_query::ExprTrait as _;
+    let one = || Expr::value(1);
+    let calls = unfinished(run_id).select_only().expr(one()).into_query();
+    let pending = pending_where(interaction::Column::RunId.eq(run_id))
+        .select_only()
+        .expr(one())
+        .into_query();
+    let query = Query::select()
+        .expr(Expr::exists(calls).or(Expr::exists(pending)))
+        .to_owned();
+    let row = tx
+        .query_one_raw(tx.get_database_backend().build(&query))
+        .await?
+        .ok_or(Error::NotFound)?;
+    Ok(row.try_get_by_index::<bool>(0)?)
 }
 
 /// No worker holds the run any more; the epoch moves on so a late writer of

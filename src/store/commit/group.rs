@@ -166,6 +166,8 @@ impl Store {
             let mut ends = Vec::with_capacity(parts.len());
             for part in &mut parts {
                 part.write(&mut tx).await?;
+                // A part's deferred inserts go before the next part writes.
+                tx.flush_deferred().await?;
                 ends.push(tx.events.len());
             }
             Ok::<_, Error>((self.commit_unannounced(tx).await?, ends))

@@ -111,6 +111,7 @@ impl Store {
             notify_as,
             lane,
             tally: std::sync::Mutex::default(),
+            deferred: std::sync::Mutex::default(),
         })
     }
 
@@ -125,7 +126,8 @@ impl Store {
     /// its writers first, so that a writer's response is not behind the work
     /// its events wake up). The write lane stays held until then, so that
     /// the bus hears commits in their order.
-    async fn commit_unannounced(&self, write: WriteTx) -> Result<Committed> {
+    async fn commit_unannounced(&self, mut write: WriteTx) -> Result<Committed> {
+        write.flush_deferred().await?;
         let WriteTx {
             tx,
             events,
@@ -181,6 +183,9 @@ pub struct WriteTx {
     /// The runs it ends and the tool calls it gives an outcome, counted in
     /// the metrics once it commits.
     tally: std::sync::Mutex<Tally>,
+    /// Inserts no write reads back, sent with the next append or, at the
+    /// latest, before the commit (`defer_insert`).
+    deferred: std::sync::Mutex<Writes>,
 }
 
 impl std::ops::Deref for WriteTx {
@@ -194,6 +199,29 @@ impl WriteTx {
     /// Notes a run this transaction ends, for the metrics.
     pub(in crate::store) fn count_run_end(&self, status: RunStatus, cause: EndCause) {
         self.tally().runs_ended.push((status, cause));
+    }
+
+    /// Inserts `model`, as built, with this transaction's next append (on
+    /// SQLite in the append's own query), or before it commits. For rows
+    /// that nothing in the transaction reads back.
+    pub(in crate::store) fn defer_insert<A: ActiveModelTrait>(&self, model: A) {
+        self.deferred
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(self, model);
+    }
+
+    /// Runs the deferred inserts now.
+    pub(in crate::store) async fn flush_deferred(&mut self) -> Result<()> {
+        let deferred = std::mem::take(
+            self.deferred
+                .get_mut()
+                .unwrap_or_else(PoisonError::into_inner),
+        );
+        for write in deferred.0 {
+            self.tx.execute_raw(write).await?;
+        }
+        Ok(())
     }
 
     /// Notes a tool call this transaction gives an outcome, for the metrics.
@@ -259,6 +287,17 @@ impl WriteTx {
         new_events: Vec<NewEvent>,
     ) -> Result<()> {
         let conversation = log.into();
+        // The deferred inserts go first, in the order they were deferred.
+        let mut writes = writes;
+        let deferred = self
+            .deferred
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner);
+        if !deferred.0.is_empty() {
+            let mut all = std::mem::take(deferred);
+            all.0.append(&mut writes.0);
+            writes = all;
+        }
         let sqlite = self.get_database_backend() == DatabaseBackend::Sqlite;
         // Only SQLite's append query carries them; elsewhere they go first.
         let writes = if sqlite && !new_events.is_empty() {
@@ -529,7 +568,7 @@ pub(in crate::store) async fn fence(tx: &WriteTx, lease: &Lease) -> Result<run::
 
 #[cfg(test)]
 mod tests {
-    use sea_orm::{ColumnTrait, EntityTrait, QueryFilter, QueryOrder};
+    use sea_orm::{ColumnTrait, EntityTrait, IntoActiveModel, QueryFilter, QueryOrder};
     use uuid::Uuid;
 
     use super::Log;
@@ -537,8 +576,8 @@ mod tests {
     use crate::domain::cursor::Cursor;
     use crate::domain::event::NewEvent;
     use crate::domain::run::RunStatus;
-    use crate::store::entities::{conversation, event};
-    use crate::store::test_support::{conversation, temp_store};
+    use crate::store::entities::{conversation, event, run, run_audit};
+    use crate::store::test_support::{conversation, queued_run, temp_store};
     use crate::store::{Error, Store};
 
     async fn rows(store: &Store, id: Uuid) -> Vec<event::Model> {
@@ -596,6 +635,64 @@ mod tests {
             .unwrap()
             .unwrap();
         assert_eq!(head.event_seq, before + 4);
+        std::fs::remove_dir_all(dir).ok();
+    }
+
+    fn audit_of(run: &run::Model) -> run_audit::ActiveModel {
+        run_audit::Model {
+            run_id: run.id,
+            tenant: run.tenant.clone(),
+            conversation_id: run.conversation_id,
+            status: "COMPLETED".into(),
+            end_cause: "NATURAL".into(),
+            steps: 1,
+            input_tokens: 0,
+            output_tokens: 0,
+            cost_usd: 0.0,
+            active_ms: 0,
+            recoveries: 0,
+            ended_at: 0,
+        }
+        .into_active_model()
+    }
+
+    async fn audited<C: sea_orm::ConnectionTrait>(db: &C, run: &run::Model) -> bool {
+        run_audit::Entity::find_by_id(run.id)
+            .one(db)
+            .await
+            .unwrap()
+            .is_some()
+    }
+
+    /// A deferred insert is sent with the transaction's next append, or
+    /// before its commit when none follows, and is gone with a transaction
+    /// rolled back.
+    #[tokio::test]
+    async fn a_deferred_insert_goes_with_the_next_append_or_the_commit() {
+        let (store, dir) = temp_store().await;
+        let (appended, committed, rolled_back) = (
+            queued_run(&store).await,
+            queued_run(&store).await,
+            queued_run(&store).await,
+        );
+        let mut tx = store.begin_write().await.unwrap();
+        tx.defer_insert(audit_of(&appended));
+        assert!(!audited(&*tx, &appended).await, "not before the append");
+        let log = Log {
+            id: appended.conversation_id,
+            tenant: "acme",
+        };
+        let new = vec![NewEvent::run_status(appended.id, RunStatus::Running).unwrap()];
+        tx.append(log, new).await.unwrap();
+        assert!(audited(&*tx, &appended).await, "with the append");
+        tx.defer_insert(audit_of(&committed));
+        store.commit(tx).await.unwrap();
+        assert!(audited(store.db(), &committed).await, "before the commit");
+
+        let tx = store.begin_write().await.unwrap();
+        tx.defer_insert(audit_of(&rolled_back));
+        drop(tx);
+        assert!(!audited(store.db(), &rolled_back).await, "rolled back");
         std::fs::remove_dir_all(dir).ok();
     }
 

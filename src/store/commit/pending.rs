@@ -36,6 +36,15 @@ pub(in crate::store) async fn cancel_pending(
     cancel_where(tx, interaction::Column::RunId.eq(row.id)).await
 }
 
+/// The pending interactions `which` selects.
+pub(in crate::store) fn pending_where(
+    which: sea_orm::sea_query::SimpleExpr,
+) -> sea_orm::Select<interaction::Entity> {
+    interaction::Entity::find()
+        .filter(which)
+        .filter(interaction::Column::Status.eq(InteractionStatus::Pending.as_str()))
+}
+
 /// Cancels the pending interactions `which` selects, with their events.
 /// The caller holds their conversation's lock, so none is resolved
 /// meanwhile.
@@ -43,11 +52,7 @@ pub(in crate::store) async fn cancel_where(
     tx: &WriteTx,
     which: sea_orm::sea_query::SimpleExpr,
 ) -> Result<Vec<NewEvent>> {
-    let pending = interaction::Entity::find()
-        .filter(which)
-        .filter(interaction::Column::Status.eq(InteractionStatus::Pending.as_str()))
-        .all(&**tx)
-        .await?;
+    let pending = pending_where(which).all(&**tx).await?;
     if pending.is_empty() {
         return Ok(Vec::new());
     }
