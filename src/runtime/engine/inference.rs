@@ -135,6 +135,9 @@ pub(super) struct AskedCall {
 pub(super) struct Streaming {
     part: OpenPart,
     text: String,
+    /// `text`'s length in UTF-16 code units, the deltas' offsets, kept as
+    /// it grows (counting the whole text at each delta is quadratic).
+    utf16: i64,
     persisted: usize,
     /// What closed a reasoning block (its signature, or the opaque data of
     /// redacted reasoning); no more text goes into it.
@@ -149,6 +152,7 @@ impl Streaming {
         Streaming {
             part,
             text: String::new(),
+            utf16: 0,
             persisted: 0,
             seal: None,
             calls_before,
@@ -470,13 +474,14 @@ impl Stream<'_> {
             body: EventBody::Delta {
                 message_id: streaming.part.message_id,
                 part_id: streaming.part.id,
-                offset: utf16_len(&streaming.text),
+                offset: streaming.utf16,
                 text: delta.to_owned(),
             },
         };
         // A live, unpersisted delta: it carries the newest persisted cursor.
         self.store.bus().publish(&[event]);
         streaming.text.push_str(delta);
+        streaming.utf16 += utf16_len(delta);
         Ok(())
     }
 }
