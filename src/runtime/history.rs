@@ -104,20 +104,21 @@ pub async fn load(store: &Store, histories: &Histories, run: &run::Model) -> Res
             (kept, ordered)
         }
     };
+    let run_seqs: HashMap<Uuid, i64> = ordered.iter().map(|m| (m.id, m.run_seq)).collect();
+    let (read, unsettled) = build(store, run, ordered).await?;
     // Messages of this run may still change (steered ones join it); those
-    // of the runs before it, which have all ended, no longer do.
-    let current: HashSet<Uuid> = ordered
-        .iter()
-        .filter(|m| m.run_seq >= run.seq)
-        .map(|m| m.id)
-        .collect();
-    let read = build(store, run, ordered).await?;
+    // of the runs before it, which have all ended, no longer do, except a
+    // call whose outcome is UNKNOWN, which an operator may resolve: turns
+    // are kept up to the run before the first such call's.
+    let keep_before = unsettled.map_or(run.seq, |seq| seq.min(run.seq));
     let split = read
         .sources
         .iter()
-        .position(|source| source.is_some_and(|id| current.contains(&id)))
+        .position(|source| {
+            source.is_some_and(|id| run_seqs.get(&id).is_some_and(|seq| *seq >= keep_before))
+        })
         .unwrap_or(read.turns.len());
-    let kept = histories.keep(run, kept, &read, split);
+    let kept = histories.keep(run, kept, &read, split, keep_before);
 
     let mut history = History::default();
     if let Some(summary) = &latest_summary {
@@ -184,7 +185,27 @@ const ENTRY_OVERHEAD: usize = 256;
 const TURN_OVERHEAD: usize = 64;
 
 fn turn_bytes(turn: &Turn) -> usize {
-    TURN_OVERHEAD + turn.as_text().len()
+    let content: usize = turn
+        .content
+        .iter()
+        .map(|content| match content {
+            Content::Text(text) => text.len(),
+            Content::Reasoning { text, signature } => {
+                text.len() + signature.as_ref().map_or(0, String::len)
+            }
+            Content::RedactedReasoning { data } => data.len(),
+            // A parsed JSON value takes several times its text.
+            Content::ToolUse { id, name, input } => {
+                id.len() + name.len() + 4 * input.to_string().len()
+            }
+            Content::ToolResult {
+                tool_use_id,
+                output,
+                ..
+            } => tool_use_id.len() + output.len(),
+        })
+        .sum();
+    TURN_OVERHEAD * (1 + turn.content.len()) + content
 }
 
 impl Histories {
@@ -229,14 +250,22 @@ impl Histories {
     }
 
     /// `kept` followed by the first `split` turns of `read` (those of the
-    /// runs before `run`), kept for the conversation's next run when they
-    /// fit the budget. Returns the turns that come before `read`'s others.
-    fn keep(&self, run: &run::Model, kept: Arc<Kept>, read: &History, split: usize) -> Arc<Kept> {
-        if split == 0 && kept.before_seq == run.seq {
+    /// runs numbered below `before_seq`), kept for the conversation's next
+    /// run when they fit the budget. Returns the turns that come before
+    /// `read`'s others.
+    fn keep(
+        &self,
+        run: &run::Model,
+        kept: Arc<Kept>,
+        read: &History,
+        split: usize,
+        before_seq: i64,
+    ) -> Arc<Kept> {
+        if split == 0 && kept.before_seq == before_seq {
             return kept;
         }
         let mut grown = Kept::clone(&kept);
-        grown.before_seq = run.seq;
+        grown.before_seq = before_seq;
         for (turn, source) in read.turns[..split].iter().zip(&read.sources[..split]) {
             grown.bytes += turn_bytes(turn);
             grown.history.push(turn.clone(), *source);
@@ -321,7 +350,13 @@ async fn after_summary(
 
 /// The turns of `ordered` messages (after the summary, if any), reading
 /// their parts, and the tool calls and questions those parts show.
-async fn build(store: &Store, run: &run::Model, ordered: Vec<message::Model>) -> Result<History> {
+/// Also returns the lowest run number among the messages with a tool call
+/// whose outcome is `UNKNOWN`, if any.
+async fn build(
+    store: &Store,
+    run: &run::Model,
+    ordered: Vec<message::Model>,
+) -> Result<(History, Option<i64>)> {
     let db = store.db();
     let ids: Vec<Uuid> = ordered.iter().map(|m| m.id).collect();
     let mut parts = reads::parts_of(db, &run.tenant, &ids).await?;
@@ -347,6 +382,22 @@ async fn build(store: &Store, run: &run::Model, ordered: Vec<message::Model>) ->
         }
     }
     let mut calls = reads::tool_calls_of_parts(db, &run.tenant, &shown).await?;
+    let unknown: HashSet<Uuid> = calls
+        .iter()
+        .filter(|(_, call)| call.outcome.as_deref() == Some(ToolOutcome::Unknown.as_str()))
+        .map(|(part, _)| *part)
+        .collect();
+    let unsettled = ordered
+        .iter()
+        .filter(|message| {
+            parts
+                .get(&message.id)
+                .into_iter()
+                .flatten()
+                .any(|part| unknown.contains(&part.id))
+        })
+        .map(|message| message.run_seq)
+        .min();
     let mut asked = reads::interactions_of_parts(db, &run.tenant, &questions).await?;
 
     let mut history = History::default();
@@ -373,7 +424,7 @@ async fn build(store: &Store, run: &run::Model, ordered: Vec<message::Model>) ->
             }
         }
     }
-    Ok(history)
+    Ok((history, unsettled))
 }
 
 fn texts(parts: &[part::Model]) -> Result<String> {

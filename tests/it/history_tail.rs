@@ -560,6 +560,58 @@ async fn the_history_of_ended_runs_is_kept_and_not_read_again() {
     assert_same(&load(r5).await.unwrap(), &expected, "after a summary, kept");
 }
 
+/// A call whose outcome is UNKNOWN can be resolved by an operator after its
+/// run ended (`resolveToolCall`): its run's turns are not kept until then,
+/// and the next load has the resolution, here or in any process.
+#[tokio::test]
+async fn a_call_whose_outcome_is_unknown_is_read_again_until_it_is_resolved() {
+    let db = TestDb::new().await;
+    let (c, runs, _) = queued_conversation(&db).await;
+    let db_conn = c.store.db();
+    let call = tool_call::Entity::find()
+        .filter(tool_call::Column::RunId.eq(runs[1].id))
+        .one(db_conn)
+        .await
+        .unwrap()
+        .expect("the second run made a call");
+    let set = |status: ToolCallStatus, outcome: ToolOutcome, output: &str| {
+        tool_call::Entity::update_many()
+            .col_expr(tool_call::Column::Status, Expr::value(status.as_str()))
+            .col_expr(tool_call::Column::Outcome, Expr::value(outcome.as_str()))
+            .col_expr(tool_call::Column::Output, Expr::value(json!(output)))
+            .filter(tool_call::Column::Id.eq(call.id))
+            .exec(db_conn)
+    };
+    set(
+        ToolCallStatus::Indeterminate,
+        ToolOutcome::Unknown,
+        "outcome unknown",
+    )
+    .await
+    .unwrap();
+    let kept = Histories::new(64);
+    let (r4, r5) = (&runs[3], &runs[4]);
+    let unknown = history::load(&c.store, &kept, r4).await.unwrap();
+    assert_same(&unknown, &c.load(r4).await, "run 4");
+
+    set(
+        ToolCallStatus::Completed,
+        ToolOutcome::Succeeded,
+        "it was sent",
+    )
+    .await
+    .unwrap();
+    let resolved = c.load(r5).await;
+    let text = |h: &History| format!("{:?}", h.turns);
+    assert!(text(&resolved).contains("it was sent"), "a fresh read");
+    assert!(!text(&unknown).contains("it was sent"));
+    assert_same(
+        &history::load(&c.store, &kept, r5).await.unwrap(),
+        &resolved,
+        "run 5, after the resolution",
+    );
+}
+
 /// With `runtime.history_cache_mib = 0` nothing is kept; with a budget, one
 /// entry per conversation.
 #[tokio::test]

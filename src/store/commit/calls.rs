@@ -88,8 +88,6 @@ fn event_for(state: ToolCallState) -> EventKind {
     }
 }
 
-/// Gives every unfinished call of an ending run its one result: a started
-/// call `INTERRUPTED`, an unstarted one `NOT_STARTED`.
 /// The run's tool calls without a result yet.
 pub(in crate::store) fn unfinished(run_id: Uuid) -> sea_orm::Select<tool_call::Entity> {
     tool_call::Entity::find()
@@ -100,6 +98,8 @@ pub(in crate::store) fn unfinished(run_id: Uuid) -> sea_orm::Select<tool_call::E
         ]))
 }
 
+/// Gives every unfinished call of an ending run its one result: a started
+/// call `INTERRUPTED`, an unstarted one `NOT_STARTED`.
 pub(in crate::store) async fn close_unfinished(
     tx: &WriteTx,
     row: &run::Model,
