@@ -420,6 +420,39 @@ async fn corrupt<E: EntityTrait>(
     assert!(changed.rows_affected > 0, "nothing of {table} to corrupt");
 }
 
+/// The parts of `messages` made unreadable.
+async fn corrupt_parts(store: &Store, messages: Vec<Uuid>) {
+    corrupt::<part::Entity>(
+        store,
+        "parts",
+        (part::Column::Id, part::Column::State),
+        sea_orm::Condition::all().add(part::Column::MessageId.is_in(messages)),
+    )
+    .await;
+}
+
+/// The tool calls of `runs` made unreadable.
+async fn corrupt_calls(store: &Store, runs: Vec<Uuid>) {
+    corrupt::<tool_call::Entity>(
+        store,
+        "tool_calls",
+        (tool_call::Column::Id, tool_call::Column::Name),
+        sea_orm::Condition::all().add(tool_call::Column::RunId.is_in(runs)),
+    )
+    .await;
+}
+
+/// The questions of `runs` made unreadable.
+async fn corrupt_questions(store: &Store, runs: Vec<Uuid>) {
+    corrupt::<interaction::Entity>(
+        store,
+        "interactions",
+        (interaction::Column::Id, interaction::Column::Status),
+        sea_orm::Condition::all().add(interaction::Column::RunId.is_in(runs)),
+    )
+    .await;
+}
+
 /// Everything before the summary's pair is corrupt, and so are the parts,
 /// tool calls and questions of the messages the summary covers: the
 /// history after the summary is read all the same, and is what it was. (A
@@ -449,30 +482,12 @@ async fn a_step_reads_nothing_before_the_latest_summary() {
     assert_same(&c.load(r5).await, &expected, "earlier messages corrupt");
     // Parts of every covered message; tool calls and questions of the runs
     // the summary covers.
-    corrupt::<part::Entity>(
-        store,
-        "parts",
-        (part::Column::Id, part::Column::State),
-        sea_orm::Condition::all().add(part::Column::MessageId.is_in([u1, a1, u2, a2])),
-    )
-    .await;
+    corrupt_parts(store, vec![u1, a1, u2, a2]).await;
     assert_same(&c.load(r5).await, &expected, "covered parts corrupt");
-    let covered_runs = [runs[0].id, runs[1].id];
-    corrupt::<tool_call::Entity>(
-        store,
-        "tool_calls",
-        (tool_call::Column::Id, tool_call::Column::Name),
-        sea_orm::Condition::all().add(tool_call::Column::RunId.is_in(covered_runs)),
-    )
-    .await;
+    let covered_runs = vec![runs[0].id, runs[1].id];
+    corrupt_calls(store, covered_runs.clone()).await;
     assert_same(&c.load(r5).await, &expected, "covered tool calls corrupt");
-    corrupt::<interaction::Entity>(
-        store,
-        "interactions",
-        (interaction::Column::Id, interaction::Column::Status),
-        sea_orm::Condition::all().add(interaction::Column::RunId.is_in(covered_runs)),
-    )
-    .await;
+    corrupt_questions(store, covered_runs).await;
     assert_same(&c.load(r5).await, &expected, "covered questions corrupt");
 }
 
@@ -520,28 +535,10 @@ async fn the_history_of_ended_runs_is_kept_and_not_read_again() {
         .await
         .unwrap();
     assert_eq!(roles.rows_affected, earlier.len() as u64);
-    corrupt::<part::Entity>(
-        store,
-        "parts",
-        (part::Column::Id, part::Column::State),
-        sea_orm::Condition::all().add(part::Column::MessageId.is_in(earlier)),
-    )
-    .await;
+    corrupt_parts(store, earlier).await;
     let before: Vec<Uuid> = runs[..3].iter().map(|r| r.id).collect();
-    corrupt::<tool_call::Entity>(
-        store,
-        "tool_calls",
-        (tool_call::Column::Id, tool_call::Column::Name),
-        sea_orm::Condition::all().add(tool_call::Column::RunId.is_in(before.clone())),
-    )
-    .await;
-    corrupt::<interaction::Entity>(
-        store,
-        "interactions",
-        (interaction::Column::Id, interaction::Column::Status),
-        sea_orm::Condition::all().add(interaction::Column::RunId.is_in(before)),
-    )
-    .await;
+    corrupt_calls(store, before.clone()).await;
+    corrupt_questions(store, before).await;
     let r5 = &runs[4];
     assert!(
         history::load(store, &Histories::new(0), r5).await.is_err(),
