@@ -75,13 +75,9 @@ pub async fn load(store: &Store, histories: &Histories, run: &run::Model) -> Res
             let messages =
                 reads::messages_from_run(db, &run.tenant, run.conversation_id, kept.before_seq)
                     .await?;
-            let mut ordered = in_order(messages, run);
             // The summary's last message is either among those kept (and
             // so not read again) or among these.
-            if let Some(summary) = &latest_summary {
-                drain_through(&mut ordered, summary.through_message_id);
-            }
-            (kept, ordered)
+            (kept, after(messages, run, latest_summary.as_ref()))
         }
         None => {
             let kept = Kept::empty(summary_id);
@@ -94,11 +90,7 @@ pub async fn load(store: &Store, histories: &Histories, run: &run::Model) -> Res
                 None => {
                     let messages =
                         reads::messages(db, &run.tenant, run.conversation_id, None, None).await?;
-                    let mut ordered = in_order(messages, run);
-                    if let Some(summary) = &latest_summary {
-                        drain_through(&mut ordered, summary.through_message_id);
-                    }
-                    ordered
+                    after(messages, run, latest_summary.as_ref())
                 }
             };
             (kept, ordered)
@@ -118,7 +110,7 @@ pub async fn load(store: &Store, histories: &Histories, run: &run::Model) -> Res
             source.is_some_and(|id| run_seqs.get(&id).is_some_and(|seq| *seq >= keep_before))
         })
         .unwrap_or(read.turns.len());
-    let kept = histories.keep(run, kept, &read, split, keep_before);
+    histories.keep(run, &kept, &read, split, keep_before);
 
     let mut history = History::default();
     if let Some(summary) = &latest_summary {
@@ -128,8 +120,8 @@ pub async fn load(store: &Store, histories: &Histories, run: &run::Model) -> Res
     }
     history.turns.extend(kept.history.turns.iter().cloned());
     history.sources.extend(kept.history.sources.iter().copied());
-    history.turns.extend(read.turns.into_iter().skip(split));
-    history.sources.extend(read.sources.into_iter().skip(split));
+    history.turns.extend(read.turns);
+    history.sources.extend(read.sources);
     Ok(history)
 }
 
@@ -249,32 +241,20 @@ impl Histories {
             .cloned()
     }
 
-    /// `kept` followed by the first `split` turns of `read` (those of the
-    /// runs numbered below `before_seq`), kept for the conversation's next
-    /// run when they fit the budget. Returns the turns that come before
-    /// `read`'s others.
-    fn keep(
-        &self,
-        run: &run::Model,
-        kept: Arc<Kept>,
-        read: &History,
-        split: usize,
-        before_seq: i64,
-    ) -> Arc<Kept> {
-        if split == 0 && kept.before_seq == before_seq {
-            return kept;
+    /// Keeps `kept` followed by the first `split` turns of `read` (those
+    /// of the runs numbered below `before_seq`) for the conversation's next
+    /// run, when there is something new and it fits the budget.
+    fn keep(&self, run: &run::Model, kept: &Kept, read: &History, split: usize, before_seq: i64) {
+        if self.budget == 0 || (split == 0 && kept.before_seq == before_seq) {
+            return;
         }
-        let mut grown = Kept::clone(&kept);
+        let mut grown = kept.clone();
         grown.before_seq = before_seq;
         for (turn, source) in read.turns[..split].iter().zip(&read.sources[..split]) {
             grown.bytes += turn_bytes(turn);
             grown.history.push(turn.clone(), *source);
         }
-        let grown = Arc::new(grown);
-        if self.budget > 0 {
-            self.put(key_of(run), grown.clone());
-        }
-        grown
+        self.put(key_of(run), Arc::new(grown));
     }
 
     /// Keeps `entry` for a conversation in place of what was kept, dropping
@@ -310,6 +290,19 @@ fn in_order(messages: Vec<message::Model>, run: &run::Model) -> Vec<message::Mod
         .into_iter()
         .filter(|m| m.run_seq <= run.seq && m.pos < PENDING_POS)
         .collect()
+}
+
+/// `in_order`, then without everything up to the summary's message.
+fn after(
+    messages: Vec<message::Model>,
+    run: &run::Model,
+    summary: Option<&summary::Model>,
+) -> Vec<message::Model> {
+    let mut ordered = in_order(messages, run);
+    if let Some(summary) = summary {
+        drain_through(&mut ordered, summary.through_message_id);
+    }
+    ordered
 }
 
 /// Removes everything up to `through` (included), if it is there; whether
