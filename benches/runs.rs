@@ -199,7 +199,6 @@ async fn bench(label: &str, url: &str, scratch: &str, sizes: &Sizes) {
         file: FileConfig::from_toml(&config_toml()).unwrap(),
     };
     let running = server::start(config, Role::All).await.unwrap();
-    let addr = running.addr.to_string();
     let auth = Arc::new(Authenticator::new(SECRET).unwrap());
 
     // Warm up connections and caches.
@@ -231,8 +230,8 @@ async fn bench(label: &str, url: &str, scratch: &str, sizes: &Sizes) {
         "{label}: {} approvals, {} questions",
         sizes.pauses, sizes.pauses
     );
-    let approvals = pauses(&addr, &auth, Pause::Approval, sizes.pauses).await;
-    let questions = pauses(&addr, &auth, Pause::Question, sizes.pauses).await;
+    let approvals = pauses(&running, &auth, Pause::Approval, sizes.pauses).await;
+    let questions = pauses(&running, &auth, Pause::Question, sizes.pauses).await;
     running.shutdown().await;
 
     let figures = Figures {
@@ -908,13 +907,24 @@ struct PauseResult {
     resumed: Vec<Duration>,
     /// The mutation's own response time.
     response: Vec<Duration>,
+    /// Write transactions and main-pool queries from just before the
+    /// mutation to the receipt of `run.completed`, all samples together
+    /// (the mutation's own included).
+    writes: u64,
+    queries: u64,
 }
 
 /// `samples` runs, one after another in one conversation of the agent with
 /// tools, each parked on an approval (`/tool demo_publish`) or questions
 /// (`/ask`), then resolved once the run shows it waits.
-async fn pauses(addr: &str, auth: &Authenticator, pause: Pause, samples: usize) -> PauseResult {
-    let client = Client::new(addr, auth, "pauses");
+async fn pauses(
+    running: &Running,
+    auth: &Authenticator,
+    pause: Pause,
+    samples: usize,
+) -> PauseResult {
+    let addr = running.addr.to_string();
+    let client = Client::new(&addr, auth, "pauses");
     let conversation = client.conversation("gated").await;
     let feed = client.subscribe(&conversation, START, false).await;
     let (text, poll, pending, waiting) = match pause {
@@ -933,6 +943,7 @@ async fn pauses(addr: &str, auth: &Authenticator, pause: Pause, samples: usize) 
     };
     let mut resumed = Vec::new();
     let mut response = Vec::new();
+    let (mut writes, mut queries) = (0, 0);
     for _ in 0..samples {
         let (run, _, _) = client.send(&conversation, text).await;
         let seen = feed
@@ -951,6 +962,10 @@ async fn pauses(addr: &str, auth: &Authenticator, pause: Pause, samples: usize) 
             assert!(polling.elapsed() < WAIT, "run {run} never waited: {data}");
             tokio::time::sleep(Duration::from_millis(1)).await;
         };
+        let counts = (
+            running.store.write_transactions(),
+            running.store.statements(),
+        );
         let before = Instant::now();
         let data = match pause {
             Pause::Approval => client.gql(DECIDE, json!({ "i": interaction })).await,
@@ -973,6 +988,8 @@ async fn pauses(addr: &str, auth: &Authenticator, pause: Pause, samples: usize) 
         assert_eq!(data[field]["resumed"], true, "{data}");
         let seen = feed.ended(&run).await;
         resumed.push(seen.ended.unwrap().0 - before);
+        writes += running.store.write_transactions() - counts.0;
+        queries += running.store.statements() - counts.1;
     }
     resumed.sort();
     response.sort();
@@ -980,6 +997,8 @@ async fn pauses(addr: &str, auth: &Authenticator, pause: Pause, samples: usize) 
         samples,
         resumed,
         response,
+        writes,
+        queries,
     }
 }
 
@@ -1310,6 +1329,14 @@ fn print(label: &str, sizes: &Sizes, f: &Figures) {
         r[3] = "p50 < 10 ms".into();
         r[4] = verdict(percentile(&p.resumed, 50) < Duration::from_millis(10));
         t.row(format!("  {name} response p50 / p99"), p50_p99(&p.response));
+        t.row(
+            format!("  write transactions / queries, {name} → run.completed"),
+            format!(
+                "{:.2} / {:.1}",
+                p.writes as f64 / p.samples as f64,
+                p.queries as f64 / p.samples as f64
+            ),
+        );
     }
 
     println!();

@@ -14,7 +14,7 @@ use std::time::Duration;
 use futures_util::FutureExt;
 use futures_util::future::BoxFuture;
 use serde_json::{Value, json};
-use tokio::sync::{Notify, Semaphore};
+use tokio::sync::{Notify, Semaphore, SemaphorePermit};
 use tracing::Instrument;
 
 use crate::config::{Recovery, TenantRules};
@@ -26,8 +26,8 @@ use crate::domain::tool_call::{ToolCallStatus, ToolOutcome};
 use crate::failpoints;
 use crate::store::commit::{self, Lease};
 use crate::store::entities::{run, tool_call};
-use crate::store::interactions::{self, ApprovalRequest, Decided};
-use crate::store::tool_calls::{self, Verdict};
+use crate::store::interactions::{self, ApprovalRequest, Decided, Take};
+use crate::store::tool_calls::{self, Finished, Outcome, Verdict};
 use crate::store::{self, Store};
 use crate::telemetry;
 use crate::tools::invoke::{Effect, Invocation, invoke};
@@ -69,6 +69,9 @@ pub struct Runner<'a> {
 struct Batch {
     /// Effects running at once, at most `concurrency`.
     slots: Semaphore,
+    /// The batch's only call hands its result back (`Reached::Held`)
+    /// instead of committing it: the step's end commits it.
+    hold: bool,
     /// Calls still on their way (neither finished nor only waiting for a
     /// person); a waiting call keeps looking for its decision while any is.
     active: AtomicUsize,
@@ -94,14 +97,35 @@ enum Access {
     Waiting,
 }
 
+/// Where a call of the batch got to.
+enum Reached {
+    /// Its result is committed.
+    Result,
+    /// It waits for a person.
+    Waiting,
+    /// Its result is handed back uncommitted (see `Batch::hold`).
+    Held(Finished),
+}
+
+/// What a batch's run came to.
+pub struct Ran {
+    /// Some call waits for a person's decision, and nothing else runs.
+    pub waiting: bool,
+    /// The result of the batch's only call, for the step's end to commit
+    /// (`runs::end_step`), or alone (`tool_calls::record`) when the step
+    /// ends otherwise.
+    pub held: Option<Finished>,
+}
+
 /// How often a waiting call looks for its decision while others run.
 const DECISION_POLL: Duration = Duration::from_millis(200);
 
 impl Runner<'_> {
     /// Brings every call of the batch to its result, or to waiting for a
-    /// person's decision. Returns whether any call still waits. Dropping the
-    /// future aborts the calls still running (their requests are closed).
-    pub async fn run(&self, calls: &[tool_call::Model]) -> store::Result<bool> {
+    /// person's decision. The result of a batch's only call is handed back,
+    /// not committed. Dropping the future aborts the calls still running
+    /// (their requests are closed).
+    pub async fn run(&self, calls: &[tool_call::Model]) -> store::Result<Ran> {
         let mut open = Vec::new();
         for call in calls {
             if !commit::state_of(call)?.is_terminal() {
@@ -110,12 +134,13 @@ impl Runner<'_> {
         }
         let batch = Batch {
             slots: Semaphore::new(self.concurrency.max(1)),
+            hold: open.len() == 1,
             active: AtomicUsize::new(open.len()),
             changed: Notify::new(),
         };
         // Boxed up front: a lazily mapped stream of borrowing futures trips
         // the compiler's Send inference for the spawned run task.
-        let calls: Vec<BoxFuture<'_, store::Result<bool>>> = open
+        let calls: Vec<BoxFuture<'_, store::Result<Reached>>> = open
             .into_iter()
             .map(|call| {
                 let span =
@@ -123,12 +148,17 @@ impl Runner<'_> {
                 self.call(call, &batch).instrument(span).boxed()
             })
             .collect();
-        let waiting = futures_util::future::try_join_all(calls).await?;
-        Ok(waiting.into_iter().any(|w| w))
+        let reached = futures_util::future::try_join_all(calls).await?;
+        let waiting = reached.iter().any(|r| matches!(r, Reached::Waiting));
+        let held = reached.into_iter().find_map(|r| match r {
+            Reached::Held(finished) => Some(finished),
+            _ => None,
+        });
+        Ok(Ran { waiting, held })
     }
 
-    /// One call to its result; true when it is left waiting for a person.
-    async fn call(&self, call: &tool_call::Model, batch: &Batch) -> store::Result<bool> {
+    /// One call to its result, or to waiting for a person.
+    async fn call(&self, call: &tool_call::Model, batch: &Batch) -> store::Result<Reached> {
         let id = call.id;
         let status = commit::state_of(call)?.status;
         let tool = self.tools.get(&call.name);
@@ -139,10 +169,12 @@ impl Runner<'_> {
                 json!({ "error": format!("the tool {:?} is not configured any more", call.name) });
             match status {
                 ToolCallStatus::Executing => {
-                    self.whole(move |s, l| async move {
-                        tool_calls::indeterminate(&s, &l, id, Some(output)).await
-                    })
-                    .await?;
+                    let finished = Finished {
+                        call_id: id,
+                        outcome: Outcome::Unknown(Some(output)),
+                        max_inline_bytes: self.max_inline_bytes,
+                    };
+                    self.record(finished).await?;
                 }
                 ToolCallStatus::Awaiting => {
                     self.whole(move |s, l| async move {
@@ -153,7 +185,7 @@ impl Runner<'_> {
                 _ => self.fail_at_once(call, &output).await?,
             }
             batch.settle();
-            return Ok(false);
+            return Ok(Reached::Result);
         };
         let mut approved = false;
         let waited = match status {
@@ -202,16 +234,28 @@ impl Runner<'_> {
                     }
                 }
                 batch.settle();
-                return Ok(false);
+                return Ok(Reached::Result);
             }
             _ => false,
         };
+        let mut begun = None;
         if waited {
-            match self.decision(call, batch).await? {
-                Decided::Run => failpoints::hit("after_decision_taken"),
-                Decided::Settled => return Ok(false),
+            // A resumed run was woken by a decision: it takes it at once. A
+            // tool without a connection has nothing left to look up once
+            // allowed, and starts in the decision's commit.
+            let take = Take {
+                read_first: status != ToolCallStatus::Awaiting,
+                start: tool.connection.is_none(),
+            };
+            match self.decision(call, batch, take).await? {
+                (Decided::Run, _) => failpoints::hit("after_decision_taken"),
+                (Decided::Started(started), slot) => {
+                    failpoints::hit("after_decision_taken");
+                    begun = Some((*started, slot));
+                }
+                (Decided::Settled, _) => return Ok(Reached::Result),
                 // Nothing else of the batch is on its way: the run parks.
-                Decided::Pending => return Ok(true),
+                (Decided::Pending, _) => return Ok(Reached::Waiting),
             }
         }
         let replay = status == ToolCallStatus::Executing;
@@ -219,10 +263,10 @@ impl Runner<'_> {
             Access::Token(bearer) => bearer,
             Access::Failed => {
                 batch.settle();
-                return Ok(false);
+                return Ok(Reached::Result);
             }
-            Access::Settled => return Ok(false),
-            Access::Waiting => return Ok(true),
+            Access::Settled => return Ok(Reached::Result),
+            Access::Waiting => return Ok(Reached::Waiting),
         };
         let result = self
             .effect(
@@ -233,10 +277,14 @@ impl Runner<'_> {
                 waited || approved,
                 batch,
                 bearer.as_deref(),
+                begun,
             )
             .await;
         batch.settle();
-        result.map(|()| false)
+        Ok(match result? {
+            Some(finished) => Reached::Held(finished),
+            None => Reached::Result,
+        })
     }
 
     /// The token of the call's connection. A gap pauses the call for a
@@ -295,9 +343,13 @@ impl Runner<'_> {
                                 .await
                             })
                             .await?;
-                            match self.decision(call, batch).await? {
+                            let take = Take {
+                                read_first: true,
+                                start: false,
+                            };
+                            match self.decision(call, batch, take).await?.0 {
                                 // Consent given: the token is there now.
-                                Decided::Run => continue,
+                                Decided::Run | Decided::Started(_) => continue,
                                 Decided::Settled => return Ok(Access::Settled),
                                 Decided::Pending => return Ok(Access::Waiting),
                             }
@@ -307,11 +359,16 @@ impl Runner<'_> {
                 }
             };
             if replay {
-                let (id, max) = (call.id, self.max_inline_bytes);
-                self.whole(move |s, l| async move {
-                    tool_calls::complete(&s, &l, id, false, &output, max, false).await
-                })
-                .await?;
+                let finished = Finished {
+                    call_id: call.id,
+                    outcome: Outcome::Answered {
+                        succeeded: false,
+                        output,
+                        cut: false,
+                    },
+                    max_inline_bytes: self.max_inline_bytes,
+                };
+                self.record(finished).await?;
             } else {
                 self.fail_at_once(call, &output).await?;
             }
@@ -323,6 +380,13 @@ impl Runner<'_> {
     async fn fail_at_once(&self, call: &tool_call::Model, output: &Value) -> store::Result<()> {
         let (id, output, max) = (call.id, output.clone(), self.max_inline_bytes);
         self.whole(move |s, l| async move { tool_calls::reject(&s, &l, id, &output, max).await })
+            .await?;
+        Ok(())
+    }
+
+    /// Commits what a started call came to.
+    async fn record(&self, finished: Finished) -> store::Result<()> {
+        self.whole(move |s, l| async move { tool_calls::record(&s, &l, finished).await })
             .await?;
         Ok(())
     }
@@ -351,37 +415,54 @@ impl Runner<'_> {
 
     /// Waits for a person's decision on a waiting call while other calls
     /// of the batch are on their way, and takes it into the run: `Run` (it
-    /// is allowed and runs now, counted active again), `Settled` (it has
-    /// its result) or `Pending` (nothing else of the batch is running).
-    async fn decision(&self, call: &tool_call::Model, batch: &Batch) -> store::Result<Decided> {
+    /// is allowed and runs now, counted active again), `Started` (the same,
+    /// committed `EXECUTING` already, with the slot it runs in), `Settled`
+    /// (it has its result) or `Pending` (nothing else of the batch is
+    /// running).
+    async fn decision<'b>(
+        &self,
+        call: &tool_call::Model,
+        batch: &'b Batch,
+        mut take: Take,
+    ) -> store::Result<(Decided, Option<SemaphorePermit<'b>>)> {
         let mut counted = true;
         loop {
             let changed = batch.changed.notified();
             let id = call.id;
+            // A call that may start in the decision's commit holds its slot
+            // first, as any start does.
+            let slot = if take.start {
+                batch.slots.acquire().await.ok()
+            } else {
+                None
+            };
             let decided = self
-                .whole(move |s, l| async move { interactions::take_decision(&s, &l, id).await })
+                .whole(
+                    move |s, l| async move { interactions::take_decision(&s, &l, id, take).await },
+                )
                 .await?;
             match decided {
-                Decided::Run => {
+                Decided::Run | Decided::Started(_) => {
                     if !counted {
                         batch.active.fetch_add(1, Ordering::SeqCst);
                     }
-                    return Ok(Decided::Run);
+                    return Ok((decided, slot));
                 }
                 Decided::Settled => {
                     if counted {
                         batch.settle();
                     }
-                    return Ok(Decided::Settled);
+                    return Ok((Decided::Settled, None));
                 }
                 Decided::Pending => {}
             }
+            take.read_first = true;
             if counted {
                 counted = false;
                 batch.settle();
             }
             if batch.active.load(Ordering::SeqCst) == 0 {
-                return Ok(Decided::Pending);
+                return Ok((Decided::Pending, None));
             }
             tokio::select! {
                 () = changed => {}
@@ -390,8 +471,10 @@ impl Runner<'_> {
         }
     }
 
-    /// Runs the call's effect: committed `EXECUTING` first, the result
-    /// after. A `never_replay` call cut off while executing ends `UNKNOWN`.
+    /// Runs the call's effect: committed `EXECUTING` first (`begun`: with
+    /// its decision already, in the slot it holds), the result after,
+    /// committed or handed back (`Batch::hold`). A `never_replay` call cut
+    /// off while executing ends `UNKNOWN`.
     #[allow(clippy::too_many_arguments)]
     async fn effect(
         &self,
@@ -402,23 +485,32 @@ impl Runner<'_> {
         approved: bool,
         batch: &Batch,
         bearer: Option<&str>,
-    ) -> store::Result<()> {
+        begun: Option<(tool_call::Model, Option<SemaphorePermit<'_>>)>,
+    ) -> store::Result<Option<Finished>> {
         let id = call.id;
         if replay && tool.recovery == Recovery::NeverReplay {
             tracing::warn!("a call that must not be replayed was cut off; its outcome is unknown");
-            self.whole(
-                move |s, l| async move { tool_calls::indeterminate(&s, &l, id, None).await },
-            )
-            .await?;
-            return Ok(());
+            let finished = Finished {
+                call_id: id,
+                outcome: Outcome::Unknown(None),
+                max_inline_bytes: self.max_inline_bytes,
+            };
+            self.record(finished).await?;
+            return Ok(None);
         }
         // A gated call gets here only approved, or covered by a grant
         // (checked just before, or when it was first started).
         let cleared = tool.risk.is_none() || approved || replay || self.granted(&tool.name).await?;
-        let _slot = batch.slots.acquire().await;
-        let started = self
-            .whole(move |s, l| async move { tool_calls::start(&s, &l, id, replay).await })
-            .await?;
+        let (started, _slot) = match begun {
+            Some(begun) => begun,
+            None => {
+                let slot = batch.slots.acquire().await.ok();
+                let started = self
+                    .whole(move |s, l| async move { tool_calls::start(&s, &l, id, replay).await })
+                    .await?;
+                (started, slot)
+            }
+        };
         failpoints::hit("after_tool_executing");
         let began = std::time::Instant::now();
         let outcome = invoke(Invocation {
@@ -434,29 +526,26 @@ impl Runner<'_> {
         .await;
         telemetry::tool(&tool.name, began.elapsed());
         failpoints::hit("after_tool_response");
-        let max = self.max_inline_bytes;
         let cut = outcome.cut;
-        match outcome.effect {
-            Effect::Succeeded(output) => {
-                self.whole(move |s, l| async move {
-                    tool_calls::complete(&s, &l, id, true, &output, max, cut).await
-                })
-                .await?;
-            }
-            Effect::Failed(output) => {
-                self.whole(move |s, l| async move {
-                    tool_calls::complete(&s, &l, id, false, &output, max, cut).await
-                })
-                .await?;
-            }
-            Effect::Unknown(output) => {
-                self.whole(move |s, l| async move {
-                    tool_calls::indeterminate(&s, &l, id, Some(output)).await
-                })
-                .await?;
-            }
+        let answered = |succeeded, output| Outcome::Answered {
+            succeeded,
+            output,
+            cut,
+        };
+        let finished = Finished {
+            call_id: id,
+            outcome: match outcome.effect {
+                Effect::Succeeded(output) => answered(true, output),
+                Effect::Failed(output) => answered(false, output),
+                Effect::Unknown(output) => Outcome::Unknown(Some(output)),
+            },
+            max_inline_bytes: self.max_inline_bytes,
+        };
+        if batch.hold {
+            return Ok(Some(finished));
         }
+        self.record(finished).await?;
         failpoints::hit("after_tool_committed");
-        Ok(())
+        Ok(None)
     }
 }

@@ -21,6 +21,14 @@ pub fn content_matched(stop: &StopConfig, text: &str) -> Option<(EndCause, Strin
     })
 }
 
+/// Whether any condition looks at the run's tool calls (else a step end
+/// need not read them).
+pub fn looks_at_calls(stop: &StopConfig) -> bool {
+    !stop.on_tools.is_empty()
+        || stop.repeated_calls.is_some()
+        || stop.consecutive_tool_errors.is_some()
+}
+
 /// The conditions that look at tool calls, after step `step`'s batch, over
 /// every call of the run (`calls`, in order), then `content_match`.
 pub fn after_tools(

@@ -13,8 +13,8 @@ use serde_json::{Value, json};
 use uuid::Uuid;
 
 use super::commit::{
-    self, Lease, PartContent, WriteTx, cancel_where, change_in, close_pending, interaction_event,
-    kind_of, open, resolving_event,
+    self, Lease, PartContent, WriteTx, cancel_where, change_in, change_through_in, close_pending,
+    interaction_event, kind_of, open, resolving_event,
 };
 use super::connections::{self as stored_connections, Owner, Sealed};
 use super::entities::{consent, grant, interaction, run, tool_call};
@@ -493,30 +493,54 @@ pub async fn approved(store: &Store, call_id: Uuid) -> Result<bool> {
 }
 
 /// What a waiting call may do now.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Decided {
     /// Allowed (and claimed): it runs, with its stored input.
     Run,
+    /// Allowed, claimed and committed `EXECUTING` in the same commit (see
+    /// `Take::start`): its effect starts now, with this row's key.
+    Started(Box<tool_call::Model>),
     /// Denied, expired or cancelled: it has its result.
     Settled,
     /// Nobody has decided yet.
     Pending,
 }
 
+/// How a waiting call takes its decision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Take {
+    /// Look without a write transaction first whether the call still waits:
+    /// true for a call that asks again and again while the rest of its
+    /// batch runs; false for a resumed run's first look, which a decision
+    /// woke.
+    pub read_first: bool,
+    /// An allowed call is committed `EXECUTING` in the decision's own
+    /// commit (`Decided::Started`): nothing stands between its decision and
+    /// its effect (no connection to look up, and its caller holds a slot).
+    /// Not once the run is asked to stop: no effect starts then.
+    pub start: bool,
+}
+
 /// Takes the decision on a waiting call into the run, once: the
 /// interaction is claimed with a compare-and-set, and the call moves
-/// (allowed: back to `REQUESTED`; denied: `DENIED`; expired: `EXPIRED`).
-pub async fn take_decision(store: &Store, lease: &Lease, call_id: Uuid) -> Result<Decided> {
-    // Looked at without a write transaction first: a waiting call asks
-    // often while the rest of its batch runs.
-    let still_pending = interaction::Entity::find()
-        .filter(interaction::Column::ToolCallId.eq(call_id))
-        .filter(interaction::Column::Status.eq(InteractionStatus::Pending.as_str()))
-        .one(store.db())
-        .await?
-        .is_some();
-    if still_pending {
-        return Ok(Decided::Pending);
+/// (allowed: back to `REQUESTED`, or on to `EXECUTING` with `take.start`;
+/// denied: `DENIED`; expired: `EXPIRED`).
+pub async fn take_decision(
+    store: &Store,
+    lease: &Lease,
+    call_id: Uuid,
+    take: Take,
+) -> Result<Decided> {
+    if take.read_first {
+        let still_pending = interaction::Entity::find()
+            .filter(interaction::Column::ToolCallId.eq(call_id))
+            .filter(interaction::Column::Status.eq(InteractionStatus::Pending.as_str()))
+            .one(store.db())
+            .await?
+            .is_some();
+        if still_pending {
+            return Ok(Decided::Pending);
+        }
     }
     let (mut tx, conversation, row) = open(store, lease).await?;
     // The newest of the call's interactions is the one it waits for (an
@@ -575,15 +599,28 @@ pub async fn take_decision(store: &Store, lease: &Lease, call_id: Uuid) -> Resul
             return Ok(Decided::Settled);
         }
     };
-    let (_, events) = change_in(&tx, &row, call_id, input, |active, state| {
+    let start = take.start && decided == Decided::Run && !row.cancel_requested;
+    let inputs: &[ToolInput] = if start {
+        &[input, ToolInput::Start]
+    } else {
+        &[input]
+    };
+    let (saved, events) = change_through_in(&tx, &row, call_id, inputs, |active, state| {
         if let Some(outcome) = state.outcome {
             active.output = Set(Some(output.unwrap_or_else(|| closing_output(outcome))));
+        }
+        if start {
+            active.started_at = Set(Some(now_millis()));
         }
     })
     .await?;
     tx.append(&conversation, events).await?;
     store.commit(tx).await?;
-    Ok(decided)
+    Ok(if start {
+        Decided::Started(Box::new(saved))
+    } else {
+        decided
+    })
 }
 
 /// Parks the run until a person answers: `WAITING_FOR_*`, no worker holds
@@ -974,55 +1011,106 @@ mod tests {
     use super::*;
     use crate::domain::interaction::ApprovalDecision;
     use crate::store::commands;
-    use crate::store::commit::PartText;
-    use crate::store::queue;
-    use crate::store::runs;
-    use crate::store::test_support::{ada, queued_run, temp_store};
-    use crate::store::tool_calls::{self, NewToolCall, Verdict};
+    use crate::store::test_support::{ada, event_seq, kinds_after, requested_call, temp_store};
 
     /// A claimed run with one gated call waiting for approval, asked with
-    /// this time to live.
-    async fn waiting_call(store: &Store, ttl_ms: i64) -> (Lease, Uuid) {
-        let run = queued_run(store).await;
-        let claimed = queue::claim(store, "w", 60_000, 1).await.unwrap();
-        let lease = Lease::of(&claimed[0]);
-        let begun = runs::begin(store, &lease).await.unwrap();
-        let parts: Vec<PartText> = begun
-            .part
-            .into_iter()
-            .map(|part| PartText {
-                part,
-                text: "ok".into(),
-                data: None,
-            })
-            .collect();
-        let call = NewToolCall {
-            provider_call_id: "c1".into(),
-            name: "demo_publish".into(),
-            model_input: json!({ "text": "x" }),
-            verdict: Verdict::Run(json!({ "text": "x" })),
-        };
-        let (calls, _) = tool_calls::request(store, &lease, &parts, vec![call], 16384, None)
-            .await
-            .unwrap();
+    /// this time to live: the lease, the run and the call.
+    async fn waiting_call(store: &Store, ttl_ms: i64) -> (Lease, Uuid, Uuid) {
+        let (lease, call) = requested_call(store, "demo_publish").await;
         let request = ApprovalRequest {
             tool_name: "demo_publish".into(),
             summary: "Publish".into(),
             risk_category: "publish".into(),
             input: json!({ "text": "x" }),
             estimated_cost_usd: None,
-            idempotency_key: calls[0].idempotency_key.clone(),
+            idempotency_key: call.idempotency_key.clone(),
         };
-        ask_approval(store, &lease, &calls[0], &request, ttl_ms)
+        ask_approval(store, &lease, &call, &request, ttl_ms)
             .await
             .unwrap();
-        (lease, run.id)
+        let run_id = lease.run_id;
+        (lease, run_id, call.id)
+    }
+
+    /// A person allows the run's one pending approval, once.
+    async fn allow(store: &Store, run_id: Uuid) {
+        let pending = reads::interactions_of_run(store.db(), "acme", run_id, "APPROVAL", "PENDING")
+            .await
+            .unwrap();
+        let decision = Resolution::Decision {
+            decision: ApprovalDecision::AllowOnce,
+            allow_always: false,
+        };
+        resolve(store, &ada(), pending[0].id, decision)
+            .await
+            .unwrap();
+    }
+
+    const START_AT_ONCE: Take = Take {
+        read_first: false,
+        start: true,
+    };
+
+    #[tokio::test]
+    async fn an_allowed_call_starts_in_the_commit_that_takes_its_decision() {
+        let (store, dir) = temp_store().await;
+        let (lease, run_id, call_id) = waiting_call(&store, 86_400_000).await;
+        let untaken = take_decision(&store, &lease, call_id, START_AT_ONCE).await;
+        assert_eq!(untaken.unwrap(), Decided::Pending);
+        allow(&store, run_id).await;
+        let before = event_seq(&store, lease.conversation_id).await;
+        let Decided::Started(started) = take_decision(&store, &lease, call_id, START_AT_ONCE)
+            .await
+            .unwrap()
+        else {
+            panic!("the allowed call was not started with its decision");
+        };
+        assert_eq!(started.status, "EXECUTING");
+        assert_eq!(started.attempt, 1);
+        assert!(started.started_at.is_some());
+        let stored = tool_call::Entity::find_by_id(call_id)
+            .one(store.db())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(stored, *started, "what was committed is what the run got");
+        assert_eq!(
+            kinds_after(&store, lease.conversation_id, before).await,
+            ["tool.started", "part.updated"],
+            "one commit, the call's start told once"
+        );
+        // Taken once: a second look finds it claimed.
+        let again = take_decision(&store, &lease, call_id, START_AT_ONCE).await;
+        assert_eq!(again.unwrap(), Decided::Settled);
+        std::fs::remove_dir_all(dir).ok();
+    }
+
+    #[tokio::test]
+    async fn a_run_asked_to_stop_takes_its_decision_without_starting_the_call() {
+        let (store, dir) = temp_store().await;
+        let (lease, run_id, call_id) = waiting_call(&store, 86_400_000).await;
+        allow(&store, run_id).await;
+        let answered = commands::cancel_run(&store, &ada(), run_id).await.unwrap();
+        assert!(answered.cancel_requested);
+        let taken = take_decision(&store, &lease, call_id, START_AT_ONCE).await;
+        assert_eq!(taken.unwrap(), Decided::Run);
+        let stored = tool_call::Entity::find_by_id(call_id)
+            .one(store.db())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            stored.status, "REQUESTED",
+            "no effect starts once a stop is asked"
+        );
+        assert_eq!(stored.started_at, None);
+        std::fs::remove_dir_all(dir).ok();
     }
 
     #[tokio::test]
     async fn a_cancel_committed_before_the_park_is_not_parked_over() {
         let (store, dir) = temp_store().await;
-        let (lease, run_id) = waiting_call(&store, 86_400_000).await;
+        let (lease, run_id, _) = waiting_call(&store, 86_400_000).await;
         // cancelRun lands while the worker is about to park: the run is
         // RUNNING, so only cancelRequested is set.
         let answered = commands::cancel_run(&store, &ada(), run_id).await.unwrap();
@@ -1041,7 +1129,7 @@ mod tests {
     async fn an_interaction_past_its_expiry_is_expired_not_resolved() {
         let (store, dir) = temp_store().await;
         // Expired a second ago, and no sweeper has run.
-        let (lease, run_id) = waiting_call(&store, -1000).await;
+        let (lease, run_id, _) = waiting_call(&store, -1000).await;
         assert!(
             park(&store, &lease, Waiting::Approval, Usage::default(), false)
                 .await

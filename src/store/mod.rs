@@ -560,6 +560,66 @@ pub(crate) mod test_support {
         let conversation = conversation(store).await;
         send_hi(store, conversation.id, 3).await
     }
+
+    /// A claimed, begun run of Ada's whose model asked for one call of
+    /// `tool`, committed `REQUESTED`: the run's lease and the call.
+    pub async fn requested_call(
+        store: &Store,
+        tool: &str,
+    ) -> (commit::Lease, entities::tool_call::Model) {
+        use serde_json::json;
+        use tool_calls::{NewToolCall, Verdict};
+        queued_run(store).await;
+        let claimed = queue::claim(store, "w", 60_000, 1).await.unwrap();
+        let lease = commit::Lease::of(&claimed[0]);
+        let begun = runs::begin(store, &lease).await.unwrap();
+        let parts: Vec<commit::PartText> = begun
+            .part
+            .into_iter()
+            .map(|part| commit::PartText {
+                part,
+                text: "ok".into(),
+                data: None,
+            })
+            .collect();
+        let call = NewToolCall {
+            provider_call_id: "c1".into(),
+            name: tool.into(),
+            model_input: json!({ "text": "x" }),
+            verdict: Verdict::Run(json!({ "text": "x" })),
+        };
+        let (mut calls, _) = tool_calls::request(store, &lease, &parts, vec![call], 16384, None)
+            .await
+            .unwrap();
+        (lease, calls.remove(0))
+    }
+
+    /// The conversation's last event number.
+    pub async fn event_seq(store: &Store, conversation_id: Uuid) -> i64 {
+        use sea_orm::EntityTrait;
+        entities::conversation::Entity::find_by_id(conversation_id)
+            .one(store.db())
+            .await
+            .unwrap()
+            .unwrap()
+            .event_seq
+    }
+
+    /// The kinds of the conversation's events after `seq`, in order.
+    pub async fn kinds_after(store: &Store, conversation_id: Uuid, seq: i64) -> Vec<String> {
+        use entities::event;
+        use sea_orm::{ColumnTrait, EntityTrait, QueryFilter, QueryOrder};
+        event::Entity::find()
+            .filter(event::Column::ConversationId.eq(conversation_id))
+            .filter(event::Column::Seq.gt(seq))
+            .order_by_asc(event::Column::Seq)
+            .all(store.db())
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|e| e.kind)
+            .collect()
+    }
 }
 
 #[cfg(test)]

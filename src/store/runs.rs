@@ -11,10 +11,10 @@ use std::sync::Arc;
 use uuid::Uuid;
 
 use super::commit::{
-    Begun, Ending, Lease, OpenPart, PartContent, PartText, Writes, abandon_open_parts,
+    Begun, Ending, Finished, Lease, OpenPart, PartContent, PartText, Writes, abandon_open_parts,
     abandon_open_parts_with, apply_usage, assistant_message, clear_lease, end_closed, fence,
-    insert_part, join_steered, next_index, open, open_text_part, part_event, save_parts, start,
-    step_events, utf16_len,
+    insert_part, join_steered, next_index, open, open_text_part, part_event, record_in, save_parts,
+    start, step_events, utf16_len,
 };
 use super::entities::{part, run, summary};
 use super::{Error, Result, Store};
@@ -39,10 +39,21 @@ pub async fn begin(store: &Store, lease: &Lease) -> Result<Begun> {
 /// the step is counted, usage recorded, `run.checkpointed` said, the next
 /// model request starts at attempt 1, messages steered into the run join it
 /// (`run.steered`, and the reply goes on in a new message after them), and
-/// the next step's text part opens.
-pub async fn end_step(store: &Store, lease: &Lease, usage: Usage) -> Result<(OpenPart, Cursor)> {
+/// the next step's text part opens. `finished`, the result of the batch's
+/// last call, is recorded first in the same commit (a one-call batch's
+/// result needs no commit of its own).
+pub async fn end_step(
+    store: &Store,
+    lease: &Lease,
+    usage: Usage,
+    finished: Option<&Finished>,
+) -> Result<(OpenPart, Cursor)> {
     let (mut tx, conversation, row) = open(store, lease).await?;
-    let mut events = step_events(&row, usage, true);
+    let mut events = match finished {
+        Some(finished) => record_in(&tx, &row, finished).await?.1,
+        None => Vec::new(),
+    };
+    events.extend(step_events(&row, usage, true));
     let mut writes = Writes::default();
     let message_id = match join_steered(&tx, &mut writes, &row, &mut events).await? {
         Some(steered) => steered,
@@ -325,4 +336,67 @@ pub async fn schedule_retry(
     tx.append(&conversation, events).await?;
     store.commit(tx).await?;
     Ok(next_attempt_at)
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+    use crate::store::entities::tool_call;
+    use crate::store::test_support::{event_seq, kinds_after, requested_call, temp_store};
+    use crate::store::tool_calls::{self, Outcome};
+
+    #[tokio::test]
+    async fn a_held_result_is_recorded_with_the_step_end_in_one_commit() {
+        let (store, dir) = temp_store().await;
+        let (lease, call) = requested_call(&store, "effect").await;
+        tool_calls::start(&store, &lease, call.id, false)
+            .await
+            .unwrap();
+        let before = event_seq(&store, lease.conversation_id).await;
+        let writes = store.write_transactions();
+        let finished = Finished {
+            call_id: call.id,
+            outcome: Outcome::Answered {
+                succeeded: true,
+                output: json!({ "published": true }),
+                cut: false,
+            },
+            max_inline_bytes: 16384,
+        };
+        let (_, cursor) = end_step(&store, &lease, Usage::default(), Some(&finished))
+            .await
+            .unwrap();
+        assert_eq!(store.write_transactions(), writes + 1, "one commit");
+        let call = tool_call::Entity::find_by_id(call.id)
+            .one(store.db())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            (call.status.as_str(), call.outcome.as_deref()),
+            ("COMPLETED", Some("SUCCEEDED"))
+        );
+        assert_eq!(call.output, Some(json!({ "published": true })));
+        let row = run::Entity::find_by_id(lease.run_id)
+            .one(store.db())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(row.steps, 1, "the step is counted");
+        let kinds = kinds_after(&store, lease.conversation_id, before).await;
+        assert_eq!(
+            kinds,
+            [
+                "tool.completed",
+                "part.updated",
+                "run.checkpointed",
+                "part.added"
+            ],
+            "the result told before the step's end"
+        );
+        assert_eq!(cursor.0, before + kinds.len() as i64);
+        std::fs::remove_dir_all(dir).ok();
+    }
 }

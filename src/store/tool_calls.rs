@@ -13,16 +13,17 @@ use serde_json::{Value, json};
 use uuid::Uuid;
 
 use super::commit::{
-    self, Ending, Lease, PartContent, PartText, change_in, end_closed, open, tool_event,
+    self, Ending, Lease, PartContent, PartText, change_in, end_closed, open, record_in, set_output,
+    tool_event,
 };
+pub use super::commit::{Finished, Outcome};
 use super::entities::tool_call;
 use super::{Error, Result, Store};
 use crate::domain::cursor::Cursor;
 use crate::domain::event::EventKind;
 use crate::domain::time::{new_id, now_millis};
 use crate::domain::tool_call::{
-    InlineOutput, ToolCallState, ToolCallStatus, ToolInput, ToolOutcome, closing_output,
-    inline_output,
+    ToolCallState, ToolCallStatus, ToolInput, ToolOutcome, inline_output,
 };
 use crate::domain::{PartKind, PartState};
 
@@ -209,57 +210,15 @@ pub async fn reject(
     .await
 }
 
-/// An output as the call keeps it: inline (cut when large) and whole.
-fn set_output(active: &mut tool_call::ActiveModel, inline: InlineOutput) {
-    active.output = Set(Some(inline.inline));
-    active.full_output = Set(inline.full);
-    active.output_truncated = Set(inline.truncated);
-}
-
-/// Records what the tool answered; `cut` when the tool said more than was
-/// read, which marks the output truncated whatever its size.
-pub async fn complete(
-    store: &Store,
-    lease: &Lease,
-    call_id: Uuid,
-    succeeded: bool,
-    output: &Value,
-    max_inline_bytes: usize,
-    cut: bool,
-) -> Result<tool_call::Model> {
-    let mut inline = inline_output(output, max_inline_bytes);
-    inline.truncated |= cut;
-    change(
-        store,
-        lease,
-        call_id,
-        ToolInput::Finish { succeeded },
-        |active, _| set_output(active, inline),
-    )
-    .await
-}
-
-/// A call of a tool that must not be replayed may or may not have taken
-/// effect (cut off by a crash, or failed after its request went out): it
-/// ends `UNKNOWN`, once, and the model is told to check. `output` says
-/// what is known, if anything.
-pub async fn indeterminate(
-    store: &Store,
-    lease: &Lease,
-    call_id: Uuid,
-    output: Option<Value>,
-) -> Result<tool_call::Model> {
-    change(
-        store,
-        lease,
-        call_id,
-        ToolInput::Recover { replayable: false },
-        |active, state| {
-            let output = output.or_else(|| state.outcome.map(closing_output));
-            active.output = Set(output);
-        },
-    )
-    .await
+/// Commits what a started call came to, alone (a batch's result, as each
+/// call finishes; see `runs::end_step` for a result that goes with the
+/// step's end).
+pub async fn record(store: &Store, lease: &Lease, finished: Finished) -> Result<tool_call::Model> {
+    let (mut tx, conversation, row) = open(store, lease).await?;
+    let (saved, events) = record_in(&tx, &row, &finished).await?;
+    tx.append(&conversation, events).await?;
+    store.commit(tx).await?;
+    Ok(saved)
 }
 
 /// How an operator says a call of unknown outcome came out.

@@ -117,7 +117,7 @@ impl Steps<'_> {
             concurrency: self.tool_concurrency,
         };
         let mut calls = calls.to_vec();
-        loop {
+        let mut held = loop {
             let outcome = {
                 let work = runner.run(&calls);
                 tokio::pin!(work);
@@ -139,8 +139,8 @@ impl Steps<'_> {
             // The batch's work is dropped by now: its open transactions have
             // rolled back and its requests are closed, so the ending below
             // cannot wait on a lock that work still holds.
-            let waited = match outcome {
-                Ok(Ok(waited)) => waited,
+            let ran = match outcome {
+                Ok(Ok(ran)) => ran,
                 Ok(Err(store::Error::CancelRequested)) | Err(Cut::Stop(Stop::Cancelled)) => {
                     return self.stop(Stop::Cancelled, &attempt, step).await;
                 }
@@ -148,8 +148,8 @@ impl Steps<'_> {
                 Err(Cut::Stop(stop)) => return self.stop(stop, &attempt, step).await,
                 Err(Cut::Timeout) => return self.timed_out(&attempt, step).await,
             };
-            if !waited {
-                break;
+            if !ran.waiting {
+                break ran.held;
             }
             // Calls wait for decisions and nothing else runs: the run parks,
             // unless a decision came in meanwhile.
@@ -163,10 +163,20 @@ impl Steps<'_> {
                 Err(err) => return Err(err),
             }
             calls = tool_calls::of_step(store.db(), self.run.id, step).await?;
-        }
+        };
+        // The batch's only call handed its result back for the step's end to
+        // commit; anything but a plain step end commits it first, alone.
+        let mut record_held = async || -> store::Result<()> {
+            if let Some(finished) = held.take() {
+                tool_calls::record(store, lease, finished).await?;
+                failpoints::hit("after_tool_committed");
+            }
+            Ok(())
+        };
         // A shutdown lets the batch finish (within the grace period), then
         // hands the run back.
         if let Some(stop) = self.control.reason() {
+            record_held().await?;
             return self.stop(stop, &attempt, step).await;
         }
         // A consent that ran out while the batch ran ends the run (only a
@@ -176,35 +186,41 @@ impl Steps<'_> {
                 .get(&call.name)
                 .is_some_and(|tool| tool.connection.is_some())
         });
-        if consented
-            && let Some(request) = interactions::consent_expired(store, self.run.id).await?
-        {
-            let message = interactions::consent_expired_message(&request, None);
-            let ending = failed(
-                EndCause::ConsentExpired,
-                message,
-                attempt.usage(agent),
-                step + 1,
-            );
-            return over(end(store, lease, &attempt, ending).await);
+        if consented {
+            record_held().await?;
+            if let Some(request) = interactions::consent_expired(store, self.run.id).await? {
+                let message = interactions::consent_expired_message(&request, None);
+                let ending = failed(
+                    EndCause::ConsentExpired,
+                    message,
+                    attempt.usage(agent),
+                    step + 1,
+                );
+                return over(end(store, lease, &attempt, ending).await);
+            }
         }
 
         // Step end.
         let usage = attempt.usage(agent);
-        let all = reads::tool_calls_of_run(store.db(), &self.run.tenant, self.run.id).await?;
+        let all = if stop::looks_at_calls(&agent.stop) {
+            record_held().await?;
+            reads::tool_calls_of_run(store.db(), &self.run.tenant, self.run.id).await?
+        } else {
+            Vec::new()
+        };
         let text = attempt.text();
         let condition = over_ceiling(&agent.limits, &usage)
             .or_else(|| stop::after_tools(&agent.stop, &all, step, &text));
         if let Some((cause, message)) = condition {
+            record_held().await?;
             let ending = stopped_by(cause, message, usage, step + 1);
             return over(end(store, lease, &attempt, ending).await);
         }
         // A question asked in this step parks the run until it is answered
         // (or expires); the answers open the next step.
-        let asked = all
-            .iter()
-            .any(|c| c.step == step && c.name == ASK_QUESTIONS);
+        let asked = calls.iter().any(|c| c.name == ASK_QUESTIONS);
         if asked {
+            record_held().await?;
             match interactions::park(store, lease, Waiting::Question, usage, true).await {
                 Ok(true) => return Ok(Next::Over),
                 Ok(false) => {}
@@ -214,7 +230,11 @@ impl Steps<'_> {
                 Err(err) => return Err(err),
             }
         }
-        let (part, cursor) = runs::end_step(store, lease, usage).await?;
+        let finished = held.take();
+        let (part, cursor) = runs::end_step(store, lease, usage, finished.as_ref()).await?;
+        if finished.is_some() {
+            failpoints::hit("after_tool_committed");
+        }
         failpoints::hit("after_step");
         Ok(Next::Step(Attempt::next(usage, part, cursor)))
     }

@@ -3,6 +3,7 @@
 
 use sea_orm::ActiveValue::Set;
 use sea_orm::{ActiveModelTrait, ColumnTrait, EntityTrait, QueryFilter, QueryOrder, QuerySelect};
+use serde_json::Value;
 use uuid::Uuid;
 
 use super::WriteTx;
@@ -10,7 +11,8 @@ use super::parts::part_touched;
 use crate::domain::event::{EventBody, EventKind, NewEvent};
 use crate::domain::time::now_millis;
 use crate::domain::tool_call::{
-    ToolCallState, ToolCallStatus, ToolInput, ToolOutcome, closing_output,
+    InlineOutput, ToolCallState, ToolCallStatus, ToolInput, ToolOutcome, closing_output,
+    inline_output,
 };
 use crate::store::entities::{run, tool_call};
 use crate::store::{Error, Result, parse_stored};
@@ -36,6 +38,20 @@ pub(in crate::store) async fn change_in(
     input: ToolInput,
     fill: impl FnOnce(&mut tool_call::ActiveModel, ToolCallState),
 ) -> Result<(tool_call::Model, Vec<NewEvent>)> {
+    change_through_in(tx, row, call_id, &[input], fill).await
+}
+
+/// Applies `inputs` to the call one after another, each checked against
+/// its state machine, and writes the state they lead to once (an allowed
+/// call that starts at once goes from `AWAITING` through `REQUESTED` to
+/// `EXECUTING` in one write). The event is the last input's.
+pub(in crate::store) async fn change_through_in(
+    tx: &WriteTx,
+    row: &run::Model,
+    call_id: Uuid,
+    inputs: &[ToolInput],
+    fill: impl FnOnce(&mut tool_call::ActiveModel, ToolCallState),
+) -> Result<(tool_call::Model, Vec<NewEvent>)> {
     let call = tool_call::Entity::find_by_id(call_id)
         .filter(tool_call::Column::RunId.eq(row.id))
         .lock_exclusive()
@@ -43,13 +59,18 @@ pub(in crate::store) async fn change_in(
         .await?
         .ok_or(Error::NotFound)?;
     let before = state_of(&call)?;
-    let after = before
-        .apply(input)
-        .map_err(|e| Error::Conflict(e.to_string()))?;
+    let after = inputs.iter().try_fold(before, |state, &input| {
+        state
+            .apply(input)
+            .map_err(|e| Error::Conflict(e.to_string()))
+    })?;
     let mut events = Vec::new();
     // Waiting for a person and being allowed are told by the interaction's
     // own events.
-    if !matches!(input, ToolInput::Await | ToolInput::Allow) {
+    if !matches!(
+        inputs.last(),
+        None | Some(ToolInput::Await | ToolInput::Allow)
+    ) {
         events.push(tool_event(event_for(after), row.id, call.id, &call.name));
     }
     let part_id = call.part_id;
@@ -60,6 +81,70 @@ pub(in crate::store) async fn change_in(
     let saved = active.update(&**tx).await?;
     events.push(part_touched(tx, row, part_id).await?);
     Ok((saved, events))
+}
+
+/// What a started call came to: its result, to be committed alone
+/// (`tool_calls::record`) or with the step's end (`runs::end_step`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Finished {
+    pub call_id: Uuid,
+    pub outcome: Outcome,
+    /// Outputs larger than this are kept whole aside, and cut inline.
+    pub max_inline_bytes: usize,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Outcome {
+    /// The tool answered, succeeded or failed, with this output; `cut`
+    /// when it said more than was read, which marks the output truncated
+    /// whatever its size.
+    Answered {
+        succeeded: bool,
+        output: Value,
+        cut: bool,
+    },
+    /// It may or may not have taken effect (`UNKNOWN`, once; the model is
+    /// told to check). The output says what is known, if anything.
+    Unknown(Option<Value>),
+}
+
+/// Records `finished` inside a caller's fenced transaction; returns the
+/// call and the events to append.
+pub(in crate::store) async fn record_in(
+    tx: &WriteTx,
+    row: &run::Model,
+    finished: &Finished,
+) -> Result<(tool_call::Model, Vec<NewEvent>)> {
+    let id = finished.call_id;
+    match &finished.outcome {
+        Outcome::Answered {
+            succeeded,
+            output,
+            cut,
+        } => {
+            let mut inline = inline_output(output, finished.max_inline_bytes);
+            inline.truncated |= cut;
+            let input = ToolInput::Finish {
+                succeeded: *succeeded,
+            };
+            change_in(tx, row, id, input, |active, _| set_output(active, inline)).await
+        }
+        Outcome::Unknown(output) => {
+            let input = ToolInput::Recover { replayable: false };
+            change_in(tx, row, id, input, |active, state| {
+                let output = output.clone().or_else(|| state.outcome.map(closing_output));
+                active.output = Set(output);
+            })
+            .await
+        }
+    }
+}
+
+/// An output as the call keeps it: inline (cut when large) and whole.
+pub(in crate::store) fn set_output(active: &mut tool_call::ActiveModel, inline: InlineOutput) {
+    active.output = Set(Some(inline.inline));
+    active.full_output = Set(inline.full);
+    active.output_truncated = Set(inline.truncated);
 }
 
 /// A call that gets its outcome in this change is counted in the metrics.

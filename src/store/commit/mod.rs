@@ -20,8 +20,8 @@ mod steer;
 
 pub use audit::OperatorAction;
 pub(in crate::store) use audit::record as record_operator_action;
-pub use calls::state_of;
-pub(in crate::store) use calls::{change_in, tool_event};
+pub use calls::{Finished, Outcome, state_of};
+pub(in crate::store) use calls::{change_in, change_through_in, record_in, set_output, tool_event};
 pub use end::Ending;
 pub(in crate::store) use end::{
     abandon_open_parts, abandon_open_parts_with, apply_usage, clear_lease, end, end_closed,
