@@ -11,7 +11,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use tokio::sync::{Notify, Semaphore};
+use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::AbortOnDropHandle;
@@ -151,7 +151,6 @@ async fn dispatch(
     let controls = Controls::default();
     let histories = Arc::new(Histories::new(rt.history_cache_mib));
     let slots = Arc::new(Semaphore::new(rt.concurrency));
-    let freed = Arc::new(Notify::new());
     let mut tasks = JoinSet::new();
     let mut cancels = store.bus().cancel_requests();
     let poll = Duration::from_millis(rt.poll_ms);
@@ -188,20 +187,20 @@ async fn dispatch(
                     break;
                 };
                 let control = controls.open(claimed.run.id);
-                let (store, config, tools, histories, controls, freed) = (
+                let (store, config, tools, histories, controls) = (
                     store.clone(),
                     config.clone(),
                     tools.clone(),
                     histories.clone(),
                     controls.clone(),
-                    freed.clone(),
                 );
+                // The task's end frees its slot, and wakes the loop below
+                // (`join_next`) to claim again.
                 tasks.spawn(async move {
                     let run_id = claimed.run.id;
                     hold(store, config, tools, histories, claimed, control.clone()).await;
                     controls.close(run_id, &control);
                     drop(permit);
-                    freed.notify_one();
                 });
             }
             if exhausted {
@@ -211,7 +210,6 @@ async fn dispatch(
         tokio::select! {
             () = shutdown.cancelled() => break,
             () = store.bus().run_queued() => {}
-            () = freed.notified() => {}
             () = tokio::time::sleep(poll) => {}
             _ = reap.tick() => {
                 if let Err(err) = queue::reclaim(&store, Reclaim::Expired, budget).await {
@@ -243,6 +241,7 @@ async fn dispatch(
                     controls.stop(run_id, Stop::Cancelled);
                 }
             }
+            // A run's task ended and freed its slot: claim again.
             Some(_) = tasks.join_next() => {}
         }
     }
