@@ -385,7 +385,7 @@ impl Runner<'_> {
     }
 
     /// Commits what a started call came to.
-    async fn record(&self, finished: Finished) -> store::Result<()> {
+    pub async fn record(&self, finished: Finished) -> store::Result<()> {
         self.whole(move |s, l| async move { tool_calls::record(&s, &l, finished).await })
             .await?;
         Ok(())
@@ -401,8 +401,10 @@ impl Runner<'_> {
     /// Runs a store operation to its end in a task of its own. Dropping the
     /// batch (a cancel, a deadline) aborts the calls' requests, but must not
     /// cut a transaction off mid-statement: its connection would go back to
-    /// the pool half-used.
-    async fn whole<T, F, Fut>(&self, operation: F) -> store::Result<T>
+    /// the pool half-used. The same holds for a commit that carries a call's
+    /// result after the batch (the run's task may be aborted when a
+    /// shutdown's grace period ends).
+    pub async fn whole<T, F, Fut>(&self, operation: F) -> store::Result<T>
     where
         F: FnOnce(Store, Lease) -> Fut,
         Fut: Future<Output = store::Result<T>> + Send + 'static,
@@ -454,7 +456,8 @@ impl Runner<'_> {
                     }
                     return Ok((Decided::Settled, None));
                 }
-                Decided::Pending => {}
+                // No slot is held while the call waits.
+                Decided::Pending => drop(slot),
             }
             take.read_first = true;
             if counted {

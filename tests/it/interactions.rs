@@ -894,6 +894,54 @@ async fn a_crash_right_after_the_decision_is_taken_runs_the_call_once_without_as
     );
 }
 
+/// The decision taken and the call `EXECUTING` are one commit: a crash
+/// right after it finds a `never_replay` call started and maybe sent, so it
+/// ends `UNKNOWN`, never sent (its request had not gone out).
+#[tokio::test]
+async fn a_crash_right_after_the_decision_on_a_never_replay_tool_ends_it_unknown_unsent() {
+    let downstream = Downstream::start().await;
+    let once = config(&downstream).replacen(
+        "recovery = \"idempotent\"",
+        "recovery = \"never_replay\"",
+        1,
+    );
+    assert_ne!(once, config(&downstream), "publish is never_replay here");
+    let mut server = Server::start_with(ServerOptions {
+        config: once,
+        env: vec![(
+            "TETHER_FAILPOINTS".into(),
+            "after_decision_taken=abort".into(),
+        )],
+        role: "all",
+    })
+    .await;
+    let token = server.token("acme", "ada");
+    let conversation = server.create_conversation(&token).await;
+    let (run, interaction) = gated(
+        &server,
+        &token,
+        &conversation,
+        "/tool publish {\"text\": \"once\"}",
+    )
+    .await;
+    decide(&server, &token, &interaction, "ALLOW_ONCE").await;
+    assert!(!server.exited().await.success(), "the failpoint aborted");
+    server.restart(&[("TETHER_FAILPOINTS", "")]).await;
+    assert_eq!(
+        server.wait_until_ended(&token, &run).await["status"],
+        "COMPLETED"
+    );
+    let calls = tool_calls(&server, &token, &run).await;
+    assert_eq!(calls[0]["outcome"], "UNKNOWN", "{}", calls[0]);
+    assert_eq!(
+        calls[0]["attempt"], 1,
+        "started once, in the decision's commit"
+    );
+    assert!(downstream.requests().is_empty(), "never sent");
+    let events = server.all_events(&token, &conversation).await;
+    assert_eq!(of_type(&events, "approval.requested").len(), 1);
+}
+
 #[tokio::test]
 async fn a_waiting_call_whose_tool_a_deployment_removed_gets_one_consistent_result() {
     let downstream = Downstream::start().await;

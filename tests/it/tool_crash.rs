@@ -26,13 +26,18 @@ struct Expect {
 }
 
 async fn crash(crash: Crash, tool: &str, expect: Expect) {
+    crash_with(crash, tool, "", expect).await;
+}
+
+/// `crash` with `agent` added to the agent's configuration.
+async fn crash_with(crash: Crash, tool: &str, agent: &str, expect: Expect) {
     let downstream = Downstream::start().await;
     let env = match crash {
         Crash::At(point) => vec![("TETHER_FAILPOINTS".to_owned(), format!("{point}=abort"))],
         Crash::DuringRequest => Vec::new(),
     };
     let mut server = Server::start_with(ServerOptions {
-        config: config(&downstream, "", &[("tools", "")]),
+        config: config(&downstream, "", &[("tools", agent)]),
         env,
         role: "all",
     })
@@ -146,6 +151,27 @@ async fn never_replay_calls_are_never_sent_twice_and_end_succeeded_or_unknown() 
             Expect {
                 requests,
                 outcome,
+                attempt: 1,
+            },
+        )
+        .await;
+    }
+}
+
+/// A stop condition that reads the run's calls has the result committed
+/// before the step's end, in a commit of its own (elsewhere a one-call
+/// batch's result goes with the step's end): dying between the two loses
+/// nothing and repeats nothing.
+#[tokio::test]
+async fn a_crash_between_a_result_committed_alone_and_the_step_end_repeats_nothing() {
+    for tool in ["effect", "once"] {
+        crash_with(
+            Crash::At("after_tool_committed"),
+            tool,
+            "[agents.stop]\nrepeated_calls = 5",
+            Expect {
+                requests: 1,
+                outcome: "SUCCEEDED",
                 attempt: 1,
             },
         )

@@ -168,7 +168,7 @@ impl Steps<'_> {
         // commit; anything but a plain step end commits it first, alone.
         let mut record_held = async || -> store::Result<()> {
             if let Some(finished) = held.take() {
-                tool_calls::record(store, lease, finished).await?;
+                runner.record(finished).await?;
                 failpoints::hit("after_tool_committed");
             }
             Ok(())
@@ -231,8 +231,13 @@ impl Steps<'_> {
             }
         }
         let finished = held.take();
-        let (part, cursor) = runs::end_step(store, lease, usage, finished.as_ref()).await?;
-        if finished.is_some() {
+        let recorded = finished.is_some();
+        let (part, cursor) = runner
+            .whole(
+                move |s, l| async move { runs::end_step(&s, &l, usage, finished.as_ref()).await },
+            )
+            .await?;
+        if recorded {
             failpoints::hit("after_tool_committed");
         }
         failpoints::hit("after_step");
