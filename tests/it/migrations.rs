@@ -1,7 +1,7 @@
 //! Migrations over a database that already holds data: what a new column
 //! is given for the rows already there.
 
-use sea_orm::{ColumnTrait, EntityTrait, QueryFilter, QueryOrder};
+use sea_orm::{ColumnTrait, ConnectOptions, Database, EntityTrait, QueryFilter, QueryOrder};
 use tether::bus::Bus;
 use tether::domain::ActiveRunStrategy;
 use tether::store::commands::{self, NewConversation, NewMessage};
@@ -54,12 +54,22 @@ async fn runs_already_stored_are_numbered_in_their_order() {
         conversations.push((id, runs));
     }
     // Back to the schema before the numbers (m0008, the eighth migration:
-    // every later one is undone too), and forward again.
+    // every later one is undone too), and forward again, as a deployment
+    // migrates: on a connection of its own, the server's pool closed (a
+    // pooled SQLite connection may still hold the read snapshot of a
+    // statement sqlx has not reset yet, and with it the old schema).
+    store.db().clone().close().await.unwrap();
+    drop(store);
+    let mut options = ConnectOptions::new(db.url.clone());
+    options.max_connections(1).sqlx_logging(false);
+    let alone = Database::connect(options).await.unwrap();
     let after_the_seventh = u32::try_from(Migrator::migrations().len() - 7).unwrap();
-    Migrator::down(store.db(), Some(after_the_seventh))
+    Migrator::down(&alone, Some(after_the_seventh))
         .await
         .unwrap();
-    Migrator::up(store.db(), None).await.unwrap();
+    Migrator::up(&alone, None).await.unwrap();
+    alone.close().await.unwrap();
+    let store = Store::connect(&db.url, Bus::new()).await.unwrap();
 
     for (id, runs) in &conversations {
         let rows = run::Entity::find()
