@@ -55,9 +55,10 @@ async fn runs_already_stored_are_numbered_in_their_order() {
     }
     // Back to the schema before the numbers (m0008, the eighth migration:
     // every later one is undone too), and forward again, as a deployment
-    // migrates: on a connection of its own, the server's pool closed (a
-    // pooled SQLite connection may still hold the read snapshot of a
-    // statement sqlx has not reset yet, and with it the old schema).
+    // migrates: on a connection of its own, the server's pool closed.
+    // Through the pool, under load, `up` failed now and then with
+    // "duplicate column name", most likely on a pooled SQLite connection
+    // that still had the schema from before `down` cached.
     store.db().clone().close().await.unwrap();
     drop(store);
     let mut options = ConnectOptions::new(db.url.clone());
