@@ -51,6 +51,11 @@ async fn streamed_deltas_stitch_into_the_persisted_text() {
     let token = server.token("acme", "ada");
     let conversation = server.create_conversation(&token).await;
     let mut client = follow(&server, &token, &conversation).await;
+    // Deltas are live only: a subscription registered after they went out
+    // never sees them. It registers before it emits anything, so once a
+    // first run's events came through, the next run's deltas all will.
+    let (_, first) = server.send(&token, &conversation, "first").await;
+    until_run_ends(&mut client, &first).await;
     let (_, run) = server.send(&token, &conversation, "héllo 🚀 wörld").await;
     let events = until_run_ends(&mut client, &run).await;
 
