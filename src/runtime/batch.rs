@@ -247,16 +247,15 @@ impl Runner<'_> {
                 read_first: status != ToolCallStatus::Awaiting,
                 start: tool.connection.is_none(),
             };
-            match self.decision(call, batch, take).await? {
-                (Decided::Run, _) => failpoints::hit("after_decision_taken"),
-                (Decided::Started(started), slot) => {
-                    failpoints::hit("after_decision_taken");
-                    begun = Some((*started, slot));
-                }
-                (Decided::Settled, _) => return Ok(Reached::Result),
+            let (decided, slot) = self.decision(call, batch, take).await?;
+            match decided {
+                Decided::Run => {}
+                Decided::Started(started) => begun = Some((*started, slot)),
+                Decided::Settled => return Ok(Reached::Result),
                 // Nothing else of the batch is on its way: the run parks.
-                (Decided::Pending, _) => return Ok(Reached::Waiting),
+                Decided::Pending => return Ok(Reached::Waiting),
             }
+            failpoints::hit("after_decision_taken");
         }
         let replay = status == ToolCallStatus::Executing;
         let bearer = match self.access(call, tool, replay, batch).await? {

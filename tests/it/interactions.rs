@@ -854,11 +854,12 @@ async fn a_decision_made_while_other_calls_run_is_applied_without_waiting_for_th
     assert_eq!(downstream.requests().len(), 2);
 }
 
-#[tokio::test]
-async fn a_crash_right_after_the_decision_is_taken_runs_the_call_once_without_asking_again() {
-    let downstream = Downstream::start().await;
+/// `publish` asked for and allowed once, with the process aborted right
+/// after the decision was taken, then started again and the run ended
+/// `COMPLETED`: the server, the token and the run.
+async fn crash_after_the_decision(config: String) -> (Server, String, String) {
     let mut server = Server::start_with(ServerOptions {
-        config: config(&downstream),
+        config,
         env: vec![(
             "TETHER_FAILPOINTS".into(),
             "after_decision_taken=abort".into(),
@@ -882,16 +883,23 @@ async fn a_crash_right_after_the_decision_is_taken_runs_the_call_once_without_as
         server.wait_until_ended(&token, &run).await["status"],
         "COMPLETED"
     );
-    assert!(pending_approvals(&server, &token, &run).await.is_empty());
-    let calls = tool_calls(&server, &token, &run).await;
-    assert_eq!(calls[0]["outcome"], "SUCCEEDED");
-    assert_eq!(downstream.requests().len(), 1);
     let events = server.all_events(&token, &conversation).await;
     assert_eq!(
         of_type(&events, "approval.requested").len(),
         1,
         "asked once"
     );
+    (server, token, run)
+}
+
+#[tokio::test]
+async fn a_crash_right_after_the_decision_is_taken_runs_the_call_once_without_asking_again() {
+    let downstream = Downstream::start().await;
+    let (server, token, run) = crash_after_the_decision(config(&downstream)).await;
+    assert!(pending_approvals(&server, &token, &run).await.is_empty());
+    let calls = tool_calls(&server, &token, &run).await;
+    assert_eq!(calls[0]["outcome"], "SUCCEEDED");
+    assert_eq!(downstream.requests().len(), 1);
 }
 
 /// The decision taken and the call `EXECUTING` are one commit: a crash
@@ -906,31 +914,7 @@ async fn a_crash_right_after_the_decision_on_a_never_replay_tool_ends_it_unknown
         1,
     );
     assert_ne!(once, config(&downstream), "publish is never_replay here");
-    let mut server = Server::start_with(ServerOptions {
-        config: once,
-        env: vec![(
-            "TETHER_FAILPOINTS".into(),
-            "after_decision_taken=abort".into(),
-        )],
-        role: "all",
-    })
-    .await;
-    let token = server.token("acme", "ada");
-    let conversation = server.create_conversation(&token).await;
-    let (run, interaction) = gated(
-        &server,
-        &token,
-        &conversation,
-        "/tool publish {\"text\": \"once\"}",
-    )
-    .await;
-    decide(&server, &token, &interaction, "ALLOW_ONCE").await;
-    assert!(!server.exited().await.success(), "the failpoint aborted");
-    server.restart(&[("TETHER_FAILPOINTS", "")]).await;
-    assert_eq!(
-        server.wait_until_ended(&token, &run).await["status"],
-        "COMPLETED"
-    );
+    let (server, token, run) = crash_after_the_decision(once).await;
     let calls = tool_calls(&server, &token, &run).await;
     assert_eq!(calls[0]["outcome"], "UNKNOWN", "{}", calls[0]);
     assert_eq!(
@@ -938,8 +922,6 @@ async fn a_crash_right_after_the_decision_on_a_never_replay_tool_ends_it_unknown
         "started once, in the decision's commit"
     );
     assert!(downstream.requests().is_empty(), "never sent");
-    let events = server.all_events(&token, &conversation).await;
-    assert_eq!(of_type(&events, "approval.requested").len(), 1);
 }
 
 #[tokio::test]
