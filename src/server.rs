@@ -12,7 +12,7 @@ use crate::bus::{self, Bus};
 use crate::config::{Config, SecretSource};
 use crate::connections::Connections;
 use crate::runtime::{Runtime, RuntimeOptions};
-use crate::store::{Pools, Store};
+use crate::store::{self, Pools, Store};
 use crate::telemetry;
 use crate::tools;
 use tokio_util::sync::CancellationToken;
@@ -36,11 +36,15 @@ pub async fn open_store(config: &Config) -> anyhow::Result<Store> {
         statement_timeout: (database.statement_timeout_secs > 0.0)
             .then(|| Duration::from_secs_f64(database.statement_timeout_secs)),
     };
-    let store = Store::connect_with(&config.database_url, Bus::new(), &pools)
+    Store::open(&config.database_url, Bus::new(), &pools)
         .await
-        .context("cannot connect to the database")?;
-    store.migrate().await.context("migrations failed")?;
-    Ok(store)
+        .map_err(|err| {
+            let what = match err {
+                store::Error::Connect { .. } => "cannot connect to the database",
+                _ => "cannot migrate or open the database",
+            };
+            anyhow::Error::new(err).context(what)
+        })
 }
 
 /// The verifier for `serve` and the signer for `tether token`: both find

@@ -96,7 +96,6 @@ pub struct Store {
     write_lane: Option<Arc<Mutex<()>>>,
     /// SQLite: writes waiting to be committed together (`commit/group.rs`).
     pending: Option<Arc<commit::Pending>>,
-    url: String,
 }
 
 /// How much of a SQLite file each connection maps (`PRAGMA mmap_size`).
@@ -129,6 +128,12 @@ impl Default for Pools {
             statement_timeout: None,
         }
     }
+}
+
+/// Whether `url` names an SQLite database in memory: each connection
+/// opened on it is a database of its own.
+fn in_memory(url: &str) -> bool {
+    url.starts_with("sqlite:") && (url.contains(":memory:") || url.contains("mode=memory"))
 }
 
 /// On SQLite, WAL, a busy timeout, the file created if missing, foreign
@@ -165,21 +170,82 @@ fn connect_options(url: &str, max: u32, min: u32, pools: &Pools) -> ConnectOptio
     options
 }
 
+/// Brings the schema at `url` up to date, through a connection of its own
+/// and without the pools' statement timeout (a migration may take longer
+/// than any query should). On PostgreSQL the connection holds an advisory
+/// lock meanwhile, so that instances started together migrate one after
+/// another (the later ones find nothing to do). Not for an SQLite database
+/// in memory, which is the connection's own: `Store::open` migrates that
+/// one through its pool.
+pub async fn migrate(url: &str) -> Result<()> {
+    let unlimited = Pools {
+        statement_timeout: None,
+        ..Pools::default()
+    };
+    let db = Database::connect(connect_options(url, 1, 1, &unlimited)).await?;
+    let postgres = db.get_database_backend() == DatabaseBackend::Postgres;
+    let lock = |sql: &str| {
+        Statement::from_sql_and_values(DatabaseBackend::Postgres, sql, [MIGRATION_LOCK.into()])
+    };
+    if postgres {
+        db.execute_raw(lock("SELECT pg_advisory_lock($1)")).await?;
+    }
+    let migrated = Migrator::up(&db, None).await;
+    let unlocked = match postgres {
+        true => db
+            .execute_raw(lock("SELECT pg_advisory_unlock($1)"))
+            .await
+            .map(drop),
+        false => Ok(()),
+    };
+    db.close().await?;
+    migrated?;
+    unlocked?;
+    Ok(())
+}
+
 impl Store {
+    /// Brings the schema up to date (`migrate`), then connects the pools
+    /// (`connect_with`): the way to open a store that serves.
+    ///
+    /// In that order because an SQLite connection loads the schema when it
+    /// opens and compiles its statements against it: one opened before a
+    /// migration compiles a quoted column name it does not know yet as a
+    /// string (SQLite's double-quoted strings). The statement still runs
+    /// against the new schema, but sqlx keeps the result's column names
+    /// from that first compile, so that a `RETURNING "steering"` reads
+    /// back no `steering`. A pool opened after the migration has no such
+    /// connection.
+    pub async fn open(url: &str, bus: Bus, pools: &Pools) -> Result<Store> {
+        probe(url, pools).await?;
+        if in_memory(url) {
+            let store = Store::pools(url, bus, pools).await?;
+            Migrator::up(&store.db, None).await?;
+            return Ok(store);
+        }
+        migrate(url).await?;
+        Store::pools(url, bus, pools).await
+    }
+
     /// Connects with settings fit for concurrent use, and with the default
     /// pools.
     pub async fn connect(url: &str, bus: Bus) -> Result<Store> {
         Store::connect_with(url, bus, &Pools::default()).await
     }
 
+    /// Connects to a database whose schema is up to date (see `open`).
+    pub async fn connect_with(url: &str, bus: Bus, pools: &Pools) -> Result<Store> {
+        probe(url, pools).await?;
+        Store::pools(url, bus, pools).await
+    }
+
     /// Connects two pools: one for writes and the workers' reads, and one of
     /// `read_connections` for the API's read snapshots, so that expensive
     /// queries wait for connections of their own and never for the workers'.
     /// On SQLite, WAL lets those snapshots read beside the writer.
-    pub async fn connect_with(url: &str, bus: Bus, pools: &Pools) -> Result<Store> {
+    async fn pools(url: &str, bus: Bus, pools: &Pools) -> Result<Store> {
         let sqlite = url.starts_with("sqlite:");
         let main = pools.connections.unwrap_or(if sqlite { 8 } else { 16 });
-        probe(url, pools).await?;
         let mut db = Database::connect(connect_options(url, main, 1, pools)).await?;
         let statements = Arc::new(AtomicU64::new(0));
         let counter = statements.clone();
@@ -189,8 +255,7 @@ impl Store {
         let read_statements = Arc::new(AtomicU64::new(0));
         // Each pool opened on an in-memory URL is a database of its own: the
         // API reads through the main pool there.
-        let in_memory = sqlite && (url.contains(":memory:") || url.contains("mode=memory"));
-        let reads = if in_memory {
+        let reads = if in_memory(url) {
             db.clone()
         } else {
             // After the main pool, which has created the file and turned WAL on.
@@ -211,35 +276,7 @@ impl Store {
             writes: Arc::default(),
             write_lane: sqlite.then(Arc::default),
             pending: sqlite.then(Arc::default),
-            url: url.to_owned(),
         })
-    }
-
-    /// Brings the schema up to date. On PostgreSQL, through a connection of
-    /// its own that holds an advisory lock meanwhile, so that instances
-    /// started together migrate one after another (the later ones find
-    /// nothing to do), and without the pools' statement timeout: a
-    /// migration may take longer than any query should.
-    pub async fn migrate(&self) -> Result<()> {
-        if self.backend() != DatabaseBackend::Postgres {
-            Migrator::up(&self.db, None).await?;
-            return Ok(());
-        }
-        let unlimited = Pools {
-            statement_timeout: None,
-            ..Pools::default()
-        };
-        let db = Database::connect(connect_options(&self.url, 1, 1, &unlimited)).await?;
-        let lock = |sql: &str| {
-            Statement::from_sql_and_values(DatabaseBackend::Postgres, sql, [MIGRATION_LOCK.into()])
-        };
-        db.execute_raw(lock("SELECT pg_advisory_lock($1)")).await?;
-        let migrated = Migrator::up(&db, None).await;
-        let unlocked = db.execute_raw(lock("SELECT pg_advisory_unlock($1)")).await;
-        db.close().await?;
-        migrated?;
-        unlocked?;
-        Ok(())
     }
 
     pub fn db(&self) -> &DatabaseConnection {
@@ -515,8 +552,9 @@ pub(crate) mod test_support {
         let dir = std::env::temp_dir().join(format!("tether-store-{}", Uuid::now_v7().simple()));
         std::fs::create_dir_all(&dir).unwrap();
         let url = format!("sqlite://{}?mode=rwc", dir.join("t.db").display());
-        let store = Store::connect(&url, Bus::new()).await.unwrap();
-        store.migrate().await.unwrap();
+        let store = Store::open(&url, Bus::new(), &Pools::default())
+            .await
+            .unwrap();
         (store, dir)
     }
 

@@ -17,10 +17,10 @@ use tether::domain::{MessageRole, PartKind, PartState};
 use tether::providers::Turn;
 use tether::runtime::history::{self, Histories, History, SUMMARY_HEADING};
 use tether::store::Actor;
-use tether::store::Store;
 use tether::store::commands::{self, NewConversation, NewMessage};
 use tether::store::commit::PENDING_POS;
 use tether::store::entities::{interaction, message, part, run, summary, tool_call};
+use tether::store::{Pools, Store};
 use uuid::Uuid;
 
 use crate::support::TestDb;
@@ -53,8 +53,9 @@ struct Conversation {
 
 impl Conversation {
     async fn new(db: &TestDb) -> Conversation {
-        let store = Store::connect(&db.url, Bus::new()).await.unwrap();
-        store.migrate().await.unwrap();
+        let store = Store::open(&db.url, Bus::new(), &Pools::default())
+            .await
+            .unwrap();
         let new = NewConversation {
             agent: "demo".into(),
             title: None,

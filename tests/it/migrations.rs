@@ -1,16 +1,26 @@
 //! Migrations over a database that already holds data: what a new column
 //! is given for the rows already there.
 
-use sea_orm::{ColumnTrait, ConnectOptions, Database, EntityTrait, QueryFilter, QueryOrder};
+use sea_orm::{
+    ColumnTrait, ConnectOptions, ConnectionTrait, Database, DatabaseConnection, EntityTrait,
+    QueryFilter, QueryOrder, Statement, TransactionTrait,
+};
 use tether::bus::Bus;
 use tether::domain::ActiveRunStrategy;
 use tether::store::commands::{self, NewConversation, NewMessage};
 use tether::store::entities::{conversation, message, run};
-use tether::store::{Actor, Store};
+use tether::store::{Actor, Pools, Store};
 use tether_migrations::{Migrator, MigratorTrait};
 use uuid::Uuid;
 
 use crate::support::TestDb;
+
+/// One connection to the database, outside any store's pools.
+async fn alone(url: &str) -> DatabaseConnection {
+    let mut options = ConnectOptions::new(url.to_owned());
+    options.max_connections(1).sqlx_logging(false);
+    Database::connect(options).await.unwrap()
+}
 
 fn ada() -> Actor {
     Actor {
@@ -36,8 +46,9 @@ async fn send(store: &Store, conversation: Uuid) -> run::Model {
 #[tokio::test]
 async fn runs_already_stored_are_numbered_in_their_order() {
     let db = TestDb::new().await;
-    let store = Store::connect(&db.url, Bus::new()).await.unwrap();
-    store.migrate().await.unwrap();
+    let store = Store::open(&db.url, Bus::new(), &Pools::default())
+        .await
+        .unwrap();
     let mut conversations = Vec::new();
     for runs in [3, 2] {
         let new = NewConversation {
@@ -61,9 +72,7 @@ async fn runs_already_stored_are_numbered_in_their_order() {
     // that still had the schema from before `down` cached.
     store.db().clone().close().await.unwrap();
     drop(store);
-    let mut options = ConnectOptions::new(db.url.clone());
-    options.max_connections(1).sqlx_logging(false);
-    let alone = Database::connect(options).await.unwrap();
+    let alone = alone(&db.url).await;
     let after_the_seventh = u32::try_from(Migrator::migrations().len() - 7).unwrap();
     Migrator::down(&alone, Some(after_the_seventh))
         .await
@@ -100,5 +109,49 @@ async fn runs_already_stored_are_numbered_in_their_order() {
             .unwrap();
         assert_eq!(conversation.run_seq, *runs as i64);
         assert_eq!(send(&store, *id).await.seq, *runs as i64 + 1);
+    }
+}
+
+/// A store opened on a database that an earlier version left compiles its
+/// statements, on every connection of both pools, against the migrated
+/// schema. An SQLite connection opened before the migration would compile
+/// a quoted column it did not know yet as a string, and its result would
+/// name that column `"steering"`, quotes and all: a model read back from
+/// it (`UPDATE … RETURNING "steering"`, as sea-orm writes it) misses the
+/// column.
+#[tokio::test]
+async fn every_pooled_connection_sees_the_migrated_schema() {
+    let db = TestDb::new().await;
+    // The schema as it was before m0010, the tenth migration, which added
+    // `runs.steering`.
+    let earlier = alone(&db.url).await;
+    Migrator::up(&earlier, Some(9)).await.unwrap();
+    earlier.close().await.unwrap();
+
+    let pools = Pools::default();
+    let store = Store::open(&db.url, Bus::new(), &pools).await.unwrap();
+    let backend = store.backend();
+    let main = match backend {
+        sea_orm::DatabaseBackend::Postgres => 16,
+        _ => 8,
+    };
+    let probe = Statement::from_string(
+        backend,
+        r#"SELECT "steering" FROM (SELECT 1 AS one) AS one LEFT JOIN runs ON 1 = 0"#,
+    );
+    for (pool, size) in [
+        (store.db(), main),
+        (store.api_reads(), pools.read_connections),
+    ] {
+        // Each open transaction holds a connection of its own: all of the
+        // pool's at once.
+        let mut held = Vec::new();
+        for _ in 0..size {
+            held.push(pool.begin().await.unwrap());
+        }
+        for tx in &held {
+            let row = tx.query_one_raw(probe.clone()).await.unwrap().unwrap();
+            assert_eq!(row.column_names(), ["steering"]);
+        }
     }
 }

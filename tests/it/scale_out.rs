@@ -12,7 +12,7 @@ use sea_orm::{ConnectionTrait, DatabaseBackend, Statement};
 use serde_json::{Value, json};
 
 use tether::bus::Bus;
-use tether::store::{Pools, Store};
+use tether::store::{self, Pools, Store};
 
 use crate::downstream::Downstream;
 use crate::support::{Server, TestDb, WsClient, of_type, on_postgres};
@@ -368,15 +368,12 @@ async fn instances_started_together_migrate_one_after_another() {
         return;
     }
     let db = TestDb::new().await;
-    let mut stores = Vec::new();
-    for _ in 0..4 {
-        stores.push(Store::connect(&db.url, Bus::new()).await.unwrap());
-    }
-    let migrated = futures_util::future::join_all(stores.iter().map(|s| s.migrate())).await;
+    let migrated = futures_util::future::join_all((0..4).map(|_| store::migrate(&db.url))).await;
     for result in migrated {
         result.expect("every instance's migration succeeds");
     }
-    let applied = stores[0]
+    let store = Store::connect(&db.url, Bus::new()).await.unwrap();
+    let applied = store
         .db()
         .query_one_raw(Statement::from_string(
             DatabaseBackend::Postgres,
@@ -404,10 +401,7 @@ async fn the_statement_timeout_bounds_queries_but_not_migrations() {
         statement_timeout: Some(std::time::Duration::from_millis(200)),
         ..Pools::default()
     };
-    let store = Store::connect_with(&db.url, Bus::new(), &pools)
-        .await
-        .unwrap();
-    store.migrate().await.unwrap();
+    let store = Store::open(&db.url, Bus::new(), &pools).await.unwrap();
     let slow = Statement::from_string(DatabaseBackend::Postgres, "SELECT pg_sleep(1)");
     let err = store.db().execute_raw(slow).await.unwrap_err();
     assert!(err.to_string().contains("statement timeout"), "{err}");

@@ -18,7 +18,7 @@ use tether::store::commit::{Begun, Lease, PartText};
 use tether::store::entities::run;
 use tether::store::queue::{self, Reclaim};
 use tether::store::runs;
-use tether::store::{Error, Store, reads};
+use tether::store::{Error, Pools, Store, reads};
 use uuid::Uuid;
 
 use crate::support::{PATIENCE, TestDb};
@@ -53,9 +53,9 @@ fn actor() -> Actor {
 }
 
 async fn store(db: &TestDb) -> Store {
-    let store = Store::connect(&db.url, Bus::new()).await.unwrap();
-    store.migrate().await.unwrap();
-    store
+    Store::open(&db.url, Bus::new(), &Pools::default())
+        .await
+        .unwrap()
 }
 
 async fn conversation(store: &Store) -> Uuid {
