@@ -253,8 +253,8 @@ pub async fn cancel_run(store: &Store, actor: &Actor, run_id: Uuid) -> Result<ru
     let conversation = tx
         .lock_conversation(found.conversation_id, &actor.tenant)
         .await?;
-    // Read again under the locks: the run may have moved since (claims take
-    // no conversation lock, hence the row's own).
+    // Read again under the locks: the run may have moved since (a claim
+    // that commits alone takes no conversation lock, hence the row's own).
     let row = run::Entity::find_by_id(run_id)
         .lock_exclusive()
         .one(&*tx)
@@ -265,21 +265,23 @@ pub async fn cancel_run(store: &Store, actor: &Actor, run_id: Uuid) -> Result<ru
         return Ok(row);
     }
     if status == RunStatus::Running {
-        if !row.cancel_requested {
-            let mut active: run::ActiveModel = row.into();
-            active.cancel_requested = Set(true);
-            active.update(&*tx).await?;
-            tx.notify_cancel(run_id).await?;
-            store.commit(tx).await?;
-        } else {
+        // Returned as this mutation left it, `RUNNING`: its worker, told at
+        // once, may well have ended it before another read.
+        if row.cancel_requested {
             // Asked again: the worker is told again.
             store.bus().request_cancel(run_id);
+            return Ok(row);
         }
-    } else {
-        let events = commit::end(&tx, row, EndCause::Cancelled, None).await?;
-        tx.append(&conversation, events).await?;
+        let mut active: run::ActiveModel = row.into();
+        active.cancel_requested = Set(true);
+        let requested = active.update(&*tx).await?;
+        tx.notify_cancel(run_id).await?;
         store.commit(tx).await?;
+        return Ok(requested);
     }
+    let events = commit::end(&tx, row, EndCause::Cancelled, None).await?;
+    tx.append(&conversation, events).await?;
+    store.commit(tx).await?;
     reads::run(store.db(), &actor.tenant, run_id)
         .await?
         .ok_or(Error::NotFound)
