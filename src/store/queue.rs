@@ -34,7 +34,7 @@ pub async fn claim(
     limit: usize,
 ) -> Result<Vec<run::Model>> {
     let _lane = store.write_lane().await;
-    claim_in(store.db(), owner, lease_ms, limit).await
+    claim_in(store.db(), owner, lease_ms, limit, Locks::Runs).await
 }
 
 /// A claimed run, already started when its claim could be its first commit.
@@ -44,23 +44,26 @@ pub struct Claimed {
     pub begun: Option<Begun>,
 }
 
-/// The dispatcher's claim. On SQLite the claim is also each claimed run's
-/// first commit: the start of every run it takes (`commit::start`: an
-/// interrupted attempt closed, the assistant message, the text part,
-/// `run.started`) commits with the claim, and the `after_claim` failpoint
-/// aborts before that commit. Should starting one of them fail, the claim
-/// commits alone instead, as everywhere else. On PostgreSQL the claim commits alone, and
-/// each worker starts its run in a commit of its own: a claim locks runs
-/// before their conversations, the opposite order to every other write.
+/// The dispatcher's claim, which is also each claimed run's first commit:
+/// the start of every run it takes (`commit::start`: an interrupted attempt
+/// closed, the assistant message, the text part, `run.started`) commits
+/// with the claim, and the `after_claim` failpoint aborts before that
+/// commit. Should starting one of them fail, the claim commits alone
+/// instead, and each worker starts its run in a commit of its own.
+///
+/// On PostgreSQL the claim also locks the claimed runs' conversations,
+/// skipping a run whose conversation another transaction holds, as it
+/// skips a run another claim holds: every other write locks a
+/// conversation before its runs, and a claim that locked a run, then
+/// waited for its conversation, could deadlock with one of them. A run
+/// skipped so is claimed at the next wake-up or poll.
 pub async fn take(store: &Store, owner: &str, lease_ms: i64, limit: usize) -> Result<Vec<Claimed>> {
-    if store.backend() == DatabaseBackend::Sqlite {
-        match claim_and_start(store, owner, lease_ms, limit).await {
-            Ok(taken) => return Ok(taken),
-            // One run that cannot be started must not hold up the others:
-            // the claim commits alone, and each worker starts its own run
-            // (and ends the one that cannot start, as it would anyway).
-            Err(err) => tracing::warn!(error = %err, "starting runs with their claim failed"),
-        }
+    match claim_and_start(store, owner, lease_ms, limit).await {
+        Ok(taken) => return Ok(taken),
+        // One run that cannot be started must not hold up the others: the
+        // claim commits alone, and each worker starts its own run (and ends
+        // the one that cannot start, as it would anyway).
+        Err(err) => tracing::warn!(error = %err, "starting runs with their claim failed"),
     }
     let claimed = claim(store, owner, lease_ms, limit).await?;
     Ok(claimed
@@ -77,7 +80,7 @@ async fn claim_and_start(
     limit: usize,
 ) -> Result<Vec<Claimed>> {
     let mut tx = store.begin_write().await?;
-    let claimed = claim_in(&*tx, owner, lease_ms, limit).await?;
+    let claimed = claim_in(&*tx, owner, lease_ms, limit, Locks::RunsAndConversations).await?;
     if claimed.is_empty() {
         return Ok(Vec::new());
     }
@@ -103,12 +106,24 @@ async fn claim_and_start(
         .collect())
 }
 
+/// What a claim locks on PostgreSQL, besides the runs it updates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Locks {
+    /// The runs it takes, skipping those another claim holds.
+    Runs,
+    /// Also their conversations, for a transaction that goes on to write
+    /// in them: skipping a run whose conversation another transaction
+    /// holds, never waiting for it.
+    RunsAndConversations,
+}
+
 /// The claim statement, on `db` (a connection, or a transaction).
 async fn claim_in<C: ConnectionTrait>(
     db: &C,
     owner: &str,
     lease_ms: i64,
     limit: usize,
+    locks: Locks,
 ) -> Result<Vec<run::Model>> {
     let now = now_millis();
     let backend = db.get_database_backend();
@@ -120,9 +135,16 @@ async fn claim_in<C: ConnectionTrait>(
             _ => "?".to_owned(),
         }
     };
-    let skip_locked = match backend {
-        DatabaseBackend::Postgres => " FOR UPDATE SKIP LOCKED",
-        _ => "",
+    // A conversation's lock is `NO KEY UPDATE`, as the event append's
+    // update of its row takes: it leaves the key-share locks of rows
+    // inserted elsewhere that refer to the conversation alone.
+    let (join, skip_locked) = match (backend, locks) {
+        (DatabaseBackend::Postgres, Locks::Runs) => ("", " FOR UPDATE OF r SKIP LOCKED"),
+        (DatabaseBackend::Postgres, Locks::RunsAndConversations) => (
+            " JOIN conversations c ON c.id = r.conversation_id",
+            " FOR UPDATE OF r SKIP LOCKED FOR NO KEY UPDATE OF c SKIP LOCKED",
+        ),
+        _ => ("", ""),
     };
     // Named columns, not `*`: sqlx's SQLite driver keeps the column list it
     // saw when it first prepared a statement, and a `*` that grew under it
@@ -147,7 +169,7 @@ async fn claim_in<C: ConnectionTrait>(
          claimed_at = {p_claimed}, started_at = COALESCE(started_at, {p_started}), \
          next_attempt_at = NULL, attempt = CASE WHEN attempt = 0 THEN 1 ELSE attempt END \
          WHERE status IN ('QUEUED', 'RETRY_PENDING') AND id IN (\
-           SELECT r.id FROM runs r WHERE {condition} \
+           SELECT r.id FROM runs r{join} WHERE {condition} \
            ORDER BY {ready_since}, r.seq, r.id \
            LIMIT {limit}{skip_locked}) \
          RETURNING {columns}"

@@ -367,3 +367,124 @@ async fn a_restart_reclaims_only_the_leases_nobody_renewed_since_it_listed_them(
     assert_eq!(row.status, "QUEUED");
     assert_eq!(row.recoveries, 1);
 }
+
+/// The dispatcher's claim is each claimed run's first commit, on either
+/// backend: the run is claimed and started (`run.started`) in one write
+/// transaction.
+#[tokio::test]
+async fn a_claim_starts_its_runs_in_the_same_commit() {
+    let db = TestDb::new().await;
+    let store = store(&db).await;
+    let conversation_id = conversation(&store).await;
+    let queued = send(&store, conversation_id, "hello").await;
+    let before = store.write_transactions();
+    let taken = queue::take(&store, "instance-1", 60_000, 4).await.unwrap();
+    assert_eq!(store.write_transactions() - before, 1, "one commit");
+    assert_eq!(taken.len(), 1);
+    assert_eq!(taken[0].run.id, queued.id);
+    assert_eq!(taken[0].run.status, "RUNNING");
+    let begun = taken[0].begun.as_ref().expect("started with the claim");
+    assert!(begun.part.is_some(), "its text part is open");
+    let events = reads::events_after(store.db(), "acme", conversation_id, Default::default(), 100)
+        .await
+        .unwrap();
+    let started = events
+        .iter()
+        .filter(|e| e.kind == EventKind::RunStarted && e.run_id == Some(queued.id))
+        .count();
+    assert_eq!(started, 1);
+}
+
+/// On PostgreSQL a claim that starts its runs also locks their
+/// conversations, and skips a run whose conversation another transaction
+/// holds instead of waiting for it (every other write locks a conversation
+/// before its runs: a claim that waited, holding the run, could deadlock
+/// with one of them). The run is taken by the claim after that
+/// transaction ends.
+#[tokio::test]
+async fn a_claim_skips_a_run_whose_conversation_another_transaction_holds() {
+    if !crate::support::on_postgres() {
+        return;
+    }
+    let db = TestDb::new().await;
+    let store = store(&db).await;
+    let held = conversation(&store).await;
+    let free = conversation(&store).await;
+    let behind = send(&store, held, "hello").await;
+    let ready = send(&store, free, "hello").await;
+    let tx = store.begin_write().await.unwrap();
+    tx.lock_conversation(held, "acme").await.unwrap();
+
+    let taken = tokio::time::timeout(PATIENCE, queue::take(&store, "instance-1", 60_000, 4))
+        .await
+        .expect("the claim does not wait for the conversation's lock")
+        .unwrap();
+    let ids: Vec<Uuid> = taken.iter().map(|c| c.run.id).collect();
+    assert_eq!(ids, [ready.id]);
+    assert_eq!(run_row(&store, behind.id).await.status, "QUEUED");
+
+    store.commit(tx).await.unwrap();
+    let taken = queue::take(&store, "instance-1", 60_000, 4).await.unwrap();
+    let ids: Vec<Uuid> = taken.iter().map(|c| c.run.id).collect();
+    assert_eq!(ids, [behind.id]);
+    assert!(taken[0].begun.is_some());
+}
+
+/// An append is one query on either backend (on PostgreSQL the sequence's
+/// move, the rows and the NOTIFY in one statement), and numbers its events
+/// on from the conversation's last, in the order given.
+#[tokio::test]
+async fn an_append_is_one_query_and_numbers_its_events_on() {
+    use tether::domain::MessageRole;
+    use tether::domain::event::NewEvent;
+    use tether::domain::run::RunStatus;
+    use tether::store::commit::Log;
+
+    let db = TestDb::new().await;
+    let store = store(&db).await;
+    let conversation_id = conversation(&store).await;
+    send(&store, conversation_id, "hello").await;
+    let earlier = reads::events_after(store.db(), "acme", conversation_id, Default::default(), 100)
+        .await
+        .unwrap();
+    let head = earlier.last().unwrap().cursor.0;
+
+    let run = Uuid::now_v7();
+    let new = vec![
+        NewEvent::message_created(Uuid::now_v7(), MessageRole::User, None),
+        NewEvent::run_status(run, RunStatus::Queued).unwrap(),
+        NewEvent::message_created(Uuid::now_v7(), MessageRole::Assistant, Some(run)),
+    ];
+    let kinds: Vec<EventKind> = new.iter().map(|e| e.kind).collect();
+    let log = Log {
+        id: conversation_id,
+        tenant: "acme",
+    };
+    let mut tx = store.begin_write().await.unwrap();
+    let before = store.statements();
+    tx.append(log, new).await.unwrap();
+    assert_eq!(store.statements() - before, 1, "one query");
+    let committed = store.commit(tx).await.unwrap();
+
+    let cursors: Vec<i64> = committed.iter().map(|e| e.cursor.0).collect();
+    assert_eq!(cursors, [head + 1, head + 2, head + 3]);
+    let stored = reads::events_after(
+        store.db(),
+        "acme",
+        conversation_id,
+        earlier.last().unwrap().cursor,
+        100,
+    )
+    .await
+    .unwrap();
+    let stored: Vec<(i64, EventKind, Option<Uuid>)> = stored
+        .iter()
+        .map(|e| (e.cursor.0, e.kind, e.run_id))
+        .collect();
+    let sent: Vec<(i64, EventKind, Option<Uuid>)> = committed
+        .iter()
+        .map(|e| (e.cursor.0, e.kind, e.run_id))
+        .collect();
+    assert_eq!(stored, sent);
+    assert_eq!(sent.iter().map(|e| e.1).collect::<Vec<_>>(), kinds);
+}

@@ -45,14 +45,14 @@ use std::sync::atomic::Ordering;
 
 use sea_orm::sea_query::{Expr, ExprTrait};
 use sea_orm::{
-    ActiveModelTrait, ActiveValue::Set, ColumnTrait, ConnectionTrait, DatabaseBackend,
-    DatabaseTransaction, EntityTrait, QueryFilter, QuerySelect, QueryTrait, SqliteTransactionMode,
-    Statement, TransactionOptions, TransactionTrait,
+    ActiveModelTrait, ColumnTrait, ConnectionTrait, DatabaseBackend, DatabaseTransaction,
+    EntityTrait, QueryFilter, QuerySelect, QueryTrait, SqliteTransactionMode, Statement,
+    TransactionOptions, TransactionTrait,
 };
 use tokio::sync::OwnedMutexGuard;
 use uuid::Uuid;
 
-use super::entities::{conversation, event, run};
+use super::entities::{conversation, run};
 use super::{Error, Result, Store};
 use crate::bus::pg;
 use crate::domain::cursor::Cursor;
@@ -322,7 +322,22 @@ impl WriteTx {
         let last = if sqlite {
             append_sqlite(&self.tx, writes, conversation, at, rows).await?
         } else {
-            append_each(&self.tx, conversation, at, rows).await?
+            // Every process's subscribers of the conversation, and on a
+            // new run every process's workers, hear of the commit.
+            let queued = self
+                .events
+                .iter()
+                .map(|e| e.kind)
+                .chain(new_events.iter().map(|n| n.kind))
+                .any(|kind| kind == EventKind::RunQueued);
+            let mut notices = Vec::new();
+            if let Some(origin) = self.notify_as {
+                notices.push((pg::EVENTS, notice(origin, Some(conversation.id))));
+                if queued {
+                    notices.push((pg::QUEUED, notice(origin, None)));
+                }
+            }
+            append_postgres(&self.tx, conversation, at, rows, notices).await?
         };
         for (offset, new) in new_events.into_iter().enumerate() {
             self.events.push(Event {
@@ -333,10 +348,6 @@ impl WriteTx {
                 at,
                 body: new.body,
             });
-        }
-        self.notify(pg::EVENTS, Some(conversation.id)).await?;
-        if self.events.iter().any(|e| e.kind == EventKind::RunQueued) {
-            self.notify(pg::QUEUED, None).await?;
         }
         Ok(())
     }
@@ -354,18 +365,22 @@ impl WriteTx {
         let Some(origin) = self.notify_as else {
             return Ok(());
         };
-        let payload = match id {
-            Some(id) => format!("{origin}:{id}"),
-            None => origin.to_string(),
-        };
         self.tx
             .execute_raw(Statement::from_sql_and_values(
                 DatabaseBackend::Postgres,
                 "SELECT pg_notify($1, $2)",
-                [channel.into(), payload.into()],
+                [channel.into(), notice(origin, id).into()],
             ))
             .await?;
         Ok(())
+    }
+}
+
+/// A NOTIFY payload: the process it comes from, and what it is about.
+fn notice(origin: Uuid, id: Option<Uuid>) -> String {
+    match id {
+        Some(id) => format!("{origin}:{id}"),
+        None => origin.to_string(),
     }
 }
 
@@ -390,42 +405,67 @@ impl Writes {
 /// An event row to append: its run, kind and payload.
 type EventRow<'k> = (Option<Uuid>, &'k str, serde_json::Value);
 
-/// `append`'s rows in two statements: the conversation's sequence moved on
-/// (returning its new last number), then the rows numbered from it.
-/// Returns the last number.
-async fn append_each(
+/// `append`'s rows on PostgreSQL, in one statement (one round trip): the
+/// conversation's sequence moved on, the rows numbered from its new last
+/// number, which it returns, and the `notices` sent (delivered on commit).
+/// Nothing is inserted, and no row returned, when there is no such
+/// conversation.
+async fn append_postgres(
     tx: &DatabaseTransaction,
     conversation: Log<'_>,
     at: i64,
     rows: Vec<EventRow<'_>>,
+    notices: Vec<(&str, String)>,
 ) -> Result<i64> {
     let count = rows.len() as i64;
-    let updated = conversation::Entity::update_many()
-        .col_expr(
-            conversation::Column::EventSeq,
-            Expr::col(conversation::Column::EventSeq).add(count),
-        )
-        .filter(conversation::Column::Id.eq(conversation.id))
-        .exec_with_returning(tx)
-        .await?;
-    let last = updated.first().ok_or(Error::NotFound)?.event_seq;
-    let models = rows
-        .into_iter()
-        .enumerate()
-        .map(|(offset, (run_id, kind, payload))| event::ActiveModel {
-            conversation_id: Set(conversation.id),
-            seq: Set(last - count + 1 + offset as i64),
-            tenant: Set(conversation.tenant.to_owned()),
-            run_id: Set(run_id),
-            kind: Set(kind.to_owned()),
-            payload: Set(payload),
-            created_at: Set(at),
-        });
-    event::Entity::insert_many(models).exec(tx).await?;
-    Ok(last)
+    let mut values: Vec<sea_orm::Value> = vec![
+        count.into(),
+        conversation.id.into(),
+        conversation.tenant.into(),
+        at.into(),
+    ];
+    let mut param = |value: sea_orm::Value| {
+        values.push(value);
+        format!("${}", values.len())
+    };
+    let mut tuples = Vec::with_capacity(rows.len());
+    for (offset, (run_id, kind, payload)) in rows.into_iter().enumerate() {
+        // Each row's distance from the last number.
+        tuples.push(format!(
+            "({}::bigint, {}::uuid, {}::text, {}::json)",
+            param((count - 1 - offset as i64).into()),
+            param(run_id.into()),
+            param(kind.into()),
+            param(payload.into()),
+        ));
+    }
+    let mut sent = String::new();
+    for (channel, payload) in notices {
+        let (channel, payload) = (param(channel.into()), param(payload.into()));
+        sent.push_str(&format!(", pg_notify({channel}, {payload})"));
+    }
+    let sql = format!(
+        "WITH c AS (UPDATE conversations SET event_seq = event_seq + $1 WHERE id = $2 \
+                    RETURNING event_seq), \
+              e AS (INSERT INTO events \
+                      (conversation_id, seq, tenant, run_id, kind, payload, created_at) \
+                    SELECT $2, c.event_seq - v.d, $3, v.r, v.k, v.p, $4 \
+                    FROM c, (VALUES {}) AS v (d, r, k, p)) \
+         SELECT c.event_seq{sent} FROM c",
+        tuples.join(", ")
+    );
+    let row = tx
+        .query_one_raw(Statement::from_sql_and_values(
+            DatabaseBackend::Postgres,
+            sql,
+            values,
+        ))
+        .await?
+        .ok_or(Error::NotFound)?;
+    Ok(row.try_get_by_index::<i64>(0)?)
 }
 
-/// `writes`, then `append_each`, on SQLite, where all of it goes to the
+/// `writes`, then the rows, on SQLite, where all of it goes to the
 /// connection's thread as one query (one hand-over instead of one per
 /// statement): the rows take their numbers from the row the update moved
 /// on, and none is inserted when there is no such conversation.
