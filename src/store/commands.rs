@@ -225,8 +225,8 @@ async fn send_in(
 }
 
 /// The conversation's runs that have not ended, oldest first, locked: a
-/// claim that commits meanwhile (claims take no conversation lock) is seen
-/// before the caller moves the run on.
+/// claim that commits meanwhile (a claim that commits alone takes no
+/// conversation lock) is seen before the caller moves the run on.
 async fn unended_locked(
     tx: &WriteTx,
     tenant: &str,

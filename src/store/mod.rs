@@ -178,6 +178,11 @@ fn connect_options(url: &str, max: u32, min: u32, pools: &Pools) -> ConnectOptio
 /// in memory, which is the connection's own: `Store::open` migrates that
 /// one through its pool.
 pub async fn migrate(url: &str) -> Result<()> {
+    if in_memory(url) {
+        return Err(Error::Conflict(
+            "an SQLite database in memory is migrated by Store::open, through its pool".into(),
+        ));
+    }
     let unlimited = Pools {
         statement_timeout: None,
         ..Pools::default()

@@ -10,7 +10,7 @@ use sea_orm::{
 
 use uuid::Uuid;
 
-use super::commit::{self, Begun, Lease, Log, Writes};
+use super::commit::{self, Begun, Lease, Log, WriteTx, Writes};
 use super::entities::{run, run_audit};
 use super::reads::Claimable;
 use super::{Result, Store};
@@ -80,19 +80,30 @@ async fn claim_and_start(
     limit: usize,
 ) -> Result<Vec<Claimed>> {
     let mut tx = store.begin_write().await?;
-    let claimed = claim_in(&*tx, owner, lease_ms, limit, Locks::RunsAndConversations).await?;
-    if claimed.is_empty() {
-        return Ok(Vec::new());
-    }
+    let claimed = match claim_in(&*tx, owner, lease_ms, limit, Locks::RunsAndConversations).await {
+        Ok(claimed) if claimed.is_empty() => {
+            tx.rollback().await?;
+            return Ok(Vec::new());
+        }
+        Ok(claimed) => claimed,
+        Err(err) => return Err(rolled_back(tx, err).await),
+    };
     let mut started = Vec::with_capacity(claimed.len());
     for row in &claimed {
         let (mut events, mut writes) = (Vec::new(), Writes::default());
-        started.push(commit::start(&tx, &mut writes, row, &mut events).await?);
         let log = Log {
             id: row.conversation_id,
             tenant: &row.tenant,
         };
-        tx.append_after(writes, log, events).await?;
+        // Rolled back before the claim is tried alone, which on PostgreSQL
+        // would skip the runs this transaction still locked.
+        match commit::start(&tx, &mut writes, row, &mut events).await {
+            Ok(begun) => started.push(begun),
+            Err(err) => return Err(rolled_back(tx, err).await),
+        }
+        if let Err(err) = tx.append_after(writes, log, events).await {
+            return Err(rolled_back(tx, err).await);
+        }
     }
     failpoints::hit("after_claim");
     let committed = store.commit(tx).await?;
@@ -106,6 +117,14 @@ async fn claim_and_start(
         .collect())
 }
 
+/// `err`, once `tx` is rolled back (or its connection found broken).
+async fn rolled_back(tx: WriteTx, err: super::Error) -> super::Error {
+    if let Err(rollback) = tx.rollback().await {
+        tracing::warn!(error = %rollback, "rolling back a failed claim failed");
+    }
+    err
+}
+
 /// What a claim locks on PostgreSQL, besides the runs it updates.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Locks {
@@ -113,7 +132,10 @@ enum Locks {
     Runs,
     /// Also their conversations, for a transaction that goes on to write
     /// in them: skipping a run whose conversation another transaction
-    /// holds, never waiting for it.
+    /// holds, never waiting for it. A run so skipped stays locked until
+    /// the claim's transaction ends (PostgreSQL keeps the locks of rows a
+    /// `SKIP LOCKED` passed over): a write on it waits those few
+    /// milliseconds, never the other way round.
     RunsAndConversations,
 }
 

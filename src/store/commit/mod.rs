@@ -196,6 +196,14 @@ impl std::ops::Deref for WriteTx {
 }
 
 impl WriteTx {
+    /// Rolls back now, rather than on drop: dropping a transaction only
+    /// queues its `ROLLBACK` until the connection is next used, and its
+    /// locks are held meanwhile.
+    pub async fn rollback(self) -> Result<()> {
+        self.tx.rollback().await?;
+        Ok(())
+    }
+
     /// Notes a run this transaction ends, for the metrics.
     pub(in crate::store) fn count_run_end(&self, status: RunStatus, cause: EndCause) {
         self.tally().runs_ended.push((status, cause));
