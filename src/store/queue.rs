@@ -72,7 +72,10 @@ pub async fn take(store: &Store, owner: &str, lease_ms: i64, limit: usize) -> Re
         .collect())
 }
 
-/// The claim and the start of every run it takes, in one transaction.
+/// The claim and the start of every run it takes, in one transaction. An
+/// empty or failed one is rolled back at once, not on drop: a dropped
+/// transaction keeps its PostgreSQL locks until its connection is next
+/// used, and the claim then tried alone would skip the runs it locked.
 async fn claim_and_start(
     store: &Store,
     owner: &str,
@@ -80,31 +83,19 @@ async fn claim_and_start(
     limit: usize,
 ) -> Result<Vec<Claimed>> {
     let mut tx = store.begin_write().await?;
-    let claimed = match claim_in(&*tx, owner, lease_ms, limit, Locks::RunsAndConversations).await {
-        Ok(claimed) if claimed.is_empty() => {
+    let (claimed, started) = match start_claimed(&mut tx, owner, lease_ms, limit).await {
+        Ok(taken) if !taken.0.is_empty() => taken,
+        Ok(_) => {
             tx.rollback().await?;
             return Ok(Vec::new());
         }
-        Ok(claimed) => claimed,
-        Err(err) => return Err(rolled_back(tx, err).await),
+        Err(err) => {
+            if let Err(rollback) = tx.rollback().await {
+                tracing::warn!(error = %rollback, "rolling back a failed claim failed");
+            }
+            return Err(err);
+        }
     };
-    let mut started = Vec::with_capacity(claimed.len());
-    for row in &claimed {
-        let (mut events, mut writes) = (Vec::new(), Writes::default());
-        let log = Log {
-            id: row.conversation_id,
-            tenant: &row.tenant,
-        };
-        // Rolled back before the claim is tried alone, which on PostgreSQL
-        // would skip the runs this transaction still locked.
-        match commit::start(&tx, &mut writes, row, &mut events).await {
-            Ok(begun) => started.push(begun),
-            Err(err) => return Err(rolled_back(tx, err).await),
-        }
-        if let Err(err) = tx.append_after(writes, log, events).await {
-            return Err(rolled_back(tx, err).await);
-        }
-    }
     failpoints::hit("after_claim");
     let committed = store.commit(tx).await?;
     Ok(claimed
@@ -117,12 +108,25 @@ async fn claim_and_start(
         .collect())
 }
 
-/// `err`, once `tx` is rolled back (or its connection found broken).
-async fn rolled_back(tx: WriteTx, err: super::Error) -> super::Error {
-    if let Err(rollback) = tx.rollback().await {
-        tracing::warn!(error = %rollback, "rolling back a failed claim failed");
+/// The claim, then `commit::start` of each run it took, in `tx`.
+async fn start_claimed(
+    tx: &mut WriteTx,
+    owner: &str,
+    lease_ms: i64,
+    limit: usize,
+) -> Result<(Vec<run::Model>, Vec<(Uuid, Option<commit::OpenPart>)>)> {
+    let claimed = claim_in(&**tx, owner, lease_ms, limit, Locks::RunsAndConversations).await?;
+    let mut started = Vec::with_capacity(claimed.len());
+    for row in &claimed {
+        let (mut events, mut writes) = (Vec::new(), Writes::default());
+        started.push(commit::start(tx, &mut writes, row, &mut events).await?);
+        let log = Log {
+            id: row.conversation_id,
+            tenant: &row.tenant,
+        };
+        tx.append_after(writes, log, events).await?;
     }
-    err
+    Ok((claimed, started))
 }
 
 /// What a claim locks on PostgreSQL, besides the runs it updates.
