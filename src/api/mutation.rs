@@ -1,4 +1,5 @@
 use async_graphql::{Context, ID, InputObject, Object, SimpleObject};
+use std::sync::Arc;
 
 use super::context::{services, viewer};
 use super::error::{ApiError, ApiResult};
@@ -6,7 +7,7 @@ use super::types::{Conversation, Message, Run, parse_id};
 use crate::domain::ActiveRunStrategy;
 use crate::domain::interaction::{Answer, ApprovalDecision};
 use crate::store::Actor;
-use crate::store::commands::{self, NewConversation, NewMessage};
+use crate::store::commands::{self, MaxAttempts, NewConversation, NewMessage};
 use crate::store::connections::{self, Owner};
 use crate::store::interactions::{self, Resolution};
 use crate::store::operations;
@@ -117,14 +118,12 @@ impl Mutation {
         }
         let conversation_id = parse_id(&input.conversation_id).ok_or(ApiError::NotFound)?;
         let actor = actor(ctx)?;
-        let conversation =
-            crate::store::reads::conversation(services.store.db(), &actor.tenant, conversation_id)
-                .await?
-                .ok_or(ApiError::NotFound)?;
-        let max_attempts = services
-            .config
-            .agent(&conversation.agent)
-            .map_or(1, |agent| agent.retry.max_attempts as i32);
+        let config = services.config.clone();
+        let max_attempts = MaxAttempts::ByAgent(Arc::new(move |agent| {
+            config
+                .agent(agent)
+                .map_or(1, |agent| agent.retry.max_attempts as i32)
+        }));
         let (message, run) = commands::send_message(
             &services.store,
             &actor,

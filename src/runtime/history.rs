@@ -70,14 +70,14 @@ pub async fn load(store: &Store, histories: &Histories, run: &run::Model) -> Res
         .one(db)
         .await?;
     let summary_id = latest_summary.as_ref().map(|s| s.id);
-    let (kept, ordered) = match histories.get(run, summary_id) {
+    let (kept, (ordered, parts)) = match histories.get(run, summary_id) {
         Some(kept) => {
-            let messages =
+            let (messages, parts) =
                 reads::messages_from_run(db, &run.tenant, run.conversation_id, kept.before_seq)
                     .await?;
             // The summary's last message is either among those kept (and
             // so not read again) or among these.
-            (kept, after(messages, run, latest_summary.as_ref()))
+            (kept, (after(messages, run, latest_summary.as_ref()), parts))
         }
         None => {
             let kept = Kept::empty(summary_id);
@@ -88,16 +88,17 @@ pub async fn load(store: &Store, histories: &Histories, run: &run::Model) -> Res
             let ordered = match tail {
                 Some(tail) => tail,
                 None => {
-                    let messages =
-                        reads::messages(db, &run.tenant, run.conversation_id, None, None).await?;
-                    after(messages, run, latest_summary.as_ref())
+                    // Every message: run numbers start at 1.
+                    let (messages, parts) =
+                        reads::messages_from_run(db, &run.tenant, run.conversation_id, 0).await?;
+                    (after(messages, run, latest_summary.as_ref()), parts)
                 }
             };
             (kept, ordered)
         }
     };
     let run_seqs: HashMap<Uuid, i64> = ordered.iter().map(|m| (m.id, m.run_seq)).collect();
-    let (read, unsettled) = build(store, run, ordered).await?;
+    let (read, unsettled) = build(store, run, ordered, parts).await?;
     // Messages of this run may still change (steered ones join it); those
     // of the runs before it, which have all ended, no longer do, except a
     // call whose outcome is UNKNOWN, which an operator may resolve: turns
@@ -327,7 +328,7 @@ async fn after_summary(
     store: &Store,
     run: &run::Model,
     summary: &summary::Model,
-) -> Result<Option<Vec<message::Model>>> {
+) -> Result<Option<(Vec<message::Model>, Parts)>> {
     let db = store.db();
     let Some(through) = reads::message(db, &run.tenant, summary.through_message_id).await? else {
         return Ok(None);
@@ -335,24 +336,26 @@ async fn after_summary(
     if through.conversation_id != run.conversation_id {
         return Ok(None);
     }
-    let messages =
+    let (messages, parts) =
         reads::messages_from_run(db, &run.tenant, run.conversation_id, through.run_seq).await?;
     let mut ordered = in_order(messages, run);
-    Ok(drain_through(&mut ordered, through.id).then_some(ordered))
+    Ok(drain_through(&mut ordered, through.id).then_some((ordered, parts)))
 }
 
-/// The turns of `ordered` messages (after the summary, if any), reading
-/// their parts, and the tool calls and questions those parts show.
-/// Also returns the lowest run number among the messages with a tool call
-/// whose outcome is `UNKNOWN`, if any.
+/// Messages' parts by message, each message's in order.
+type Parts = HashMap<Uuid, Vec<part::Model>>;
+
+/// The turns of `ordered` messages (after the summary, if any), from their
+/// `parts` (read with them), reading the tool calls and questions those
+/// parts show. Also returns the lowest run number among the messages with
+/// a tool call whose outcome is `UNKNOWN`, if any.
 async fn build(
     store: &Store,
     run: &run::Model,
     ordered: Vec<message::Model>,
+    mut parts: Parts,
 ) -> Result<(History, Option<i64>)> {
     let db = store.db();
-    let ids: Vec<Uuid> = ordered.iter().map(|m| m.id).collect();
-    let mut parts = reads::parts_of(db, &run.tenant, &ids).await?;
     // What the replies' steps look up: the tool call of a tool call part
     // they keep, the interaction of a question part. A history without
     // either asks for neither.

@@ -1,6 +1,8 @@
 //! The API's writes: each is one transaction that changes state and appends
 //! the events reporting it.
 
+use std::sync::Arc;
+
 use sea_orm::{
     ActiveModelTrait, ActiveValue::Set, ColumnTrait, EntityTrait, QueryFilter, QueryOrder,
     QuerySelect,
@@ -27,7 +29,36 @@ pub struct NewMessage {
     pub client_message_id: Option<String>,
     pub on_active_run: ActiveRunStrategy,
     /// `agents.retry.max_attempts` of the conversation's agent.
-    pub max_attempts: i32,
+    pub max_attempts: MaxAttempts,
+}
+
+/// How many attempts a new run gets (`agents.retry.max_attempts`), from
+/// its conversation's agent: looked up once the write has locked the
+/// conversation, which names its agent, rather than by a read before it.
+#[derive(Clone)]
+pub enum MaxAttempts {
+    /// The same for every agent.
+    Fixed(i32),
+    /// By the agent's name.
+    ByAgent(Arc<dyn Fn(&str) -> i32 + Send + Sync>),
+}
+
+impl MaxAttempts {
+    fn of(&self, agent: &str) -> i32 {
+        match self {
+            MaxAttempts::Fixed(n) => *n,
+            MaxAttempts::ByAgent(by_agent) => by_agent(agent),
+        }
+    }
+}
+
+impl std::fmt::Debug for MaxAttempts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            MaxAttempts::Fixed(n) => f.debug_tuple("Fixed").field(n).finish(),
+            MaxAttempts::ByAgent(_) => f.write_str("ByAgent"),
+        }
+    }
 }
 
 pub async fn create_conversation(
@@ -204,7 +235,7 @@ async fn send_in(
                 principal: &actor.principal,
                 agent: &conversation.agent,
                 trigger_message_id: message_id,
-                max_attempts: new.max_attempts,
+                max_attempts: new.max_attempts.of(&conversation.agent),
                 seq: conversation.run_seq,
             });
             writes.insert(tx, run::ActiveModel::from(run.clone()));

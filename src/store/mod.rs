@@ -593,7 +593,7 @@ pub(crate) mod test_support {
             text: "hi".into(),
             client_message_id: None,
             on_active_run: crate::domain::ActiveRunStrategy::Queue,
-            max_attempts,
+            max_attempts: commands::MaxAttempts::Fixed(max_attempts),
         };
         commands::send_message(store, &ada(), new).await.unwrap().1
     }

@@ -4,8 +4,8 @@
 use std::collections::HashMap;
 
 use sea_orm::{
-    ColumnTrait, Condition, ConnectionTrait, EntityTrait, Order, PrimaryKeyTrait, QueryFilter,
-    QueryOrder, QuerySelect, Select,
+    ColumnTrait, Condition, ConnectionTrait, EntityTrait, JoinType, Order, PrimaryKeyTrait,
+    QueryFilter, QueryOrder, QuerySelect, Select,
 };
 use uuid::Uuid;
 
@@ -116,20 +116,42 @@ pub async fn messages<C: ConnectionTrait>(
 }
 
 /// A conversation's messages of the run numbered `from` and every later
-/// one (`runs.seq`), in reading order: a range of the
-/// `(conversation_id, run_seq)` index, however long the conversation
-/// before it.
+/// one (`runs.seq`), in reading order, with their parts (each message's in
+/// order), in one query: a range of the `(conversation_id, run_seq)`
+/// index, however long the conversation before it, joined to each
+/// message's parts by their `(message_id, idx)` index.
 pub async fn messages_from_run<C: ConnectionTrait>(
     db: &C,
     tenant: &str,
     conversation_id: Uuid,
     from: i64,
-) -> Result<Vec<message::Model>> {
+) -> Result<(Vec<message::Model>, HashMap<Uuid, Vec<part::Model>>)> {
+    let of_message = part::Entity::belongs_to(message::Entity)
+        .from(part::Column::MessageId)
+        .to(message::Column::Id)
+        .into();
     let query = message::Entity::find()
         .filter(message::Column::Tenant.eq(tenant))
         .filter(message::Column::ConversationId.eq(conversation_id))
         .filter(message::Column::RunSeq.gte(from));
-    Ok(ReadingOrder::sort(query, Order::Asc).all(db).await?)
+    let rows = ReadingOrder::sort(query, Order::Asc)
+        .join_rev(JoinType::LeftJoin, of_message)
+        .select_also(part::Entity)
+        .order_by(part::Column::Idx, Order::Asc)
+        .all(db)
+        .await?;
+    let mut messages: Vec<message::Model> = Vec::new();
+    let mut parts: HashMap<Uuid, Vec<part::Model>> = HashMap::new();
+    for (message, part) in rows {
+        if let Some(part) = part {
+            parts.entry(message.id).or_default().push(part);
+        }
+        // A message's rows are adjacent: it comes once per part.
+        if messages.last().is_none_or(|last| last.id != message.id) {
+            messages.push(message);
+        }
+    }
+    Ok((messages, parts))
 }
 
 /// The one order a conversation's messages are read in, by people

@@ -13,8 +13,8 @@ use uuid::Uuid;
 use super::commit::{
     Begun, Ending, Finished, Lease, OpenPart, PartContent, PartText, Writes, abandon_open_parts,
     abandon_open_parts_with, apply_usage, assistant_message, clear_lease, end_closed, fence,
-    insert_part, join_steered, next_index, open, open_text_part, part_event, record_in, save_parts,
-    start, step_events, utf16_len,
+    fence_for_end, insert_part, join_steered, next_index, open, open_text_part, part_event,
+    record_in, save_parts, start, step_events, utf16_len,
 };
 use super::entities::{part, run, summary};
 use super::{Error, Result, Store};
@@ -164,13 +164,14 @@ pub async fn finish(
         .write(move |tx| {
             let (lease, parts, ending) = (lease.clone(), parts.clone(), ending.clone());
             Box::pin(async move {
-                let mut row = fence(tx, &lease).await?;
+                let (mut row, open) = fence_for_end(tx, &lease).await?;
                 let mut events = save_parts(tx, &row, &parts, PartState::Done).await?;
                 events.extend(step_events(&row, ending.usage, true));
                 apply_usage(&mut row, &ending);
-                // The worker's open parts are all closed just above.
+                // The worker's open parts are all closed just above; saving
+                // them opened nothing.
                 let (cause, error, reason) = (ending.cause, ending.error, ending.reason);
-                let events = end_closed(tx, row, cause, error, reason, events).await?;
+                let events = end_closed(tx, row, Some(open), cause, error, reason, events).await?;
                 tx.append(&lease, events).await
             })
         })

@@ -126,7 +126,16 @@ pub async fn request(
     if let Some(ending) = ending {
         let mut row = row;
         commit::apply_usage(&mut row, &ending);
-        events = end_closed(&tx, row, ending.cause, ending.error, ending.reason, events).await?;
+        events = end_closed(
+            &tx,
+            row,
+            None,
+            ending.cause,
+            ending.error,
+            ending.reason,
+            events,
+        )
+        .await?;
         stored = of_step(&*tx, lease.run_id, stored.first().map_or(0, |c| c.step)).await?;
     }
     tx.append(&conversation, events).await?;

@@ -17,7 +17,7 @@ use tether::domain::{MessageRole, PartKind, PartState};
 use tether::providers::Turn;
 use tether::runtime::history::{self, Histories, History, SUMMARY_HEADING};
 use tether::store::Actor;
-use tether::store::commands::{self, NewConversation, NewMessage};
+use tether::store::commands::{self, MaxAttempts, NewConversation, NewMessage};
 use tether::store::commit::PENDING_POS;
 use tether::store::entities::{interaction, message, part, run, summary, tool_call};
 use tether::store::{Pools, Store};
@@ -78,7 +78,7 @@ impl Conversation {
             text: text.into(),
             client_message_id: None,
             on_active_run: ActiveRunStrategy::Queue,
-            max_attempts: 1,
+            max_attempts: MaxAttempts::Fixed(1),
         };
         commands::send_message(&self.store, &actor(), new)
             .await
@@ -649,6 +649,10 @@ async fn a_summary_through_an_unknown_message_is_read_as_before() {
 /// what it chose is in docs/runs.md, "Reads and their indexes".
 #[tokio::test]
 async fn the_reads_of_a_step_and_of_a_page_search_indexes() {
+    // A step's messages from a run on, joined to their parts.
+    const STEP_MESSAGES: &str = "SELECT * FROM messages m LEFT JOIN parts p \
+        ON p.message_id = m.id WHERE m.tenant = 'a' AND m.conversation_id = 'c' \
+        AND m.run_seq >= 5 ORDER BY m.run_seq ASC, m.pos ASC, m.id ASC, p.idx ASC";
     let db = TestDb::new().await;
     let (c, ..) = queued_conversation(&db).await;
     let store = &c.store;
@@ -664,10 +668,10 @@ async fn the_reads_of_a_step_and_of_a_page_search_indexes() {
             "summaries_conversation_run_seq (conversation_id=? AND run_seq<?)",
         ),
         (
-            "SELECT * FROM messages WHERE tenant = 'a' AND conversation_id = 'c' \
-             AND run_seq >= 5",
+            STEP_MESSAGES,
             "messages_conversation_run_seq (conversation_id=? AND run_seq>?)",
         ),
+        (STEP_MESSAGES, "parts_message_idx (message_id=?)"),
         (
             "SELECT * FROM messages WHERE tenant = 'a' AND conversation_id = 'c' \
              AND id < 'm' ORDER BY id DESC LIMIT 50",
@@ -741,5 +745,27 @@ async fn the_reads_of_a_step_and_of_a_page_search_indexes() {
             plan.iter().any(|step| step.contains(index)),
             "{sql}: {plan:?}"
         );
+    }
+}
+
+/// A step of a conversation without tool calls or questions reads its
+/// history in two queries, whether the turns of earlier runs are kept or
+/// not: the latest summary, then the messages from a run on with their
+/// parts.
+#[tokio::test]
+async fn a_plain_step_reads_its_history_in_two_queries() {
+    let db = TestDb::new().await;
+    let mut c = Conversation::new(&db).await;
+    let first = c.user("Is the harbour open?").await;
+    c.reply(&first, &[Said::Text(0, "Yes, until six.")]).await;
+    let second = c.user("And tomorrow?").await;
+    let kept = Histories::new(64);
+    for (histories, what) in [(&Histories::new(0), "nothing kept"), (&kept, "kept")] {
+        for _ in 0..2 {
+            let before = c.store.statements();
+            let read = history::load(&c.store, histories, &second).await.unwrap();
+            assert_eq!(c.store.statements() - before, 2, "{what}");
+            assert_eq!(read.turns.len(), 3, "{what}: {:?}", read.turns);
+        }
     }
 }

@@ -7,7 +7,7 @@ use sea_orm::{
 };
 use tether::bus::Bus;
 use tether::domain::ActiveRunStrategy;
-use tether::store::commands::{self, NewConversation, NewMessage};
+use tether::store::commands::{self, MaxAttempts, NewConversation, NewMessage};
 use tether::store::entities::{conversation, message, run};
 use tether::store::{Actor, Pools, Store};
 use tether_migrations::{Migrator, MigratorTrait};
@@ -35,7 +35,7 @@ async fn send(store: &Store, conversation: Uuid) -> run::Model {
         text: "hi".into(),
         client_message_id: None,
         on_active_run: ActiveRunStrategy::Queue,
-        max_attempts: 1,
+        max_attempts: MaxAttempts::Fixed(1),
     };
     commands::send_message(store, &ada(), new).await.unwrap().1
 }

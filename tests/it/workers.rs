@@ -13,7 +13,7 @@ use tether::domain::ActiveRunStrategy;
 use tether::domain::event::EventKind;
 use tether::runtime::{Runtime, RuntimeOptions};
 use tether::store::Actor;
-use tether::store::commands::{self, NewConversation, NewMessage};
+use tether::store::commands::{self, MaxAttempts, NewConversation, NewMessage};
 use tether::store::commit::{Begun, Lease, PartText};
 use tether::store::entities::run;
 use tether::store::queue::{self, Reclaim};
@@ -81,7 +81,7 @@ async fn send(store: &Store, conversation_id: Uuid, text: &str) -> run::Model {
             text: text.into(),
             client_message_id: None,
             on_active_run: ActiveRunStrategy::Queue,
-            max_attempts: 1,
+            max_attempts: MaxAttempts::Fixed(1),
         },
     )
     .await
@@ -487,4 +487,51 @@ async fn an_append_is_one_query_and_numbers_its_events_on() {
         .collect();
     assert_eq!(stored, sent);
     assert_eq!(sent.iter().map(|e| e.1).collect::<Vec<_>>(), kinds);
+}
+
+/// A run's last commit (`runs::finish`) asks whether the run has a tool
+/// call without a result or a pending question in its fence's query: the
+/// fence, the run's parts, the run and the append (with its audit row),
+/// four queries on SQLite; on PostgreSQL the fence locks the conversation
+/// first and the audit row goes in a statement of its own before the
+/// append: six. A lease that moved on writes nothing.
+#[tokio::test]
+async fn a_run_s_last_commit_asks_what_is_open_with_its_fence() {
+    use tether::domain::run::{EndCause, Usage};
+    use tether::store::commit::Ending;
+
+    let db = TestDb::new().await;
+    let store = store(&db).await;
+    let conversation_id = conversation(&store).await;
+    let queued = send(&store, conversation_id, "hello").await;
+    let taken = queue::take(&store, "instance-1", 60_000, 4).await.unwrap();
+    let begun = taken[0].begun.as_ref().expect("started with the claim");
+    let lease = Lease::of(&taken[0].run);
+    let ending = Ending {
+        cause: EndCause::Natural,
+        error: None,
+        reason: None,
+        usage: Usage::default(),
+        steps: 1,
+    };
+    let parts = texts(begun, "Hello!");
+
+    let stale = Lease {
+        epoch: lease.epoch - 1,
+        ..lease.clone()
+    };
+    let refused = runs::finish(&store, &stale, &parts, ending.clone()).await;
+    assert!(matches!(refused, Err(Error::Fenced)), "{refused:?}");
+    assert_eq!(run_row(&store, queued.id).await.status, "RUNNING");
+
+    let before = store.statements();
+    runs::finish(&store, &lease, &parts, ending).await.unwrap();
+    let queries = if crate::support::on_postgres() { 6 } else { 4 };
+    assert_eq!(store.statements() - before, queries);
+    let ended = run_row(&store, queued.id).await;
+    assert_eq!((ended.status.as_str(), ended.steps), ("COMPLETED", 1));
+    let events = reads::events_after(store.db(), "acme", conversation_id, Default::default(), 100)
+        .await
+        .unwrap();
+    assert_eq!(events.last().unwrap().kind, EventKind::RunCompleted);
 }

@@ -6,16 +6,16 @@
 use sea_orm::ActiveValue::Set;
 use sea_orm::sea_query::{Expr, Query};
 use sea_orm::{
-    ActiveModelTrait, ColumnTrait, ConnectionTrait, EntityTrait, QueryFilter, QueryOrder,
-    QuerySelect, QueryTrait,
+    ActiveModelTrait, ColumnTrait, ConnectionTrait, DbErr, EntityTrait, FromQueryResult,
+    QueryFilter, QueryOrder, QueryResult, QuerySelect, QueryTrait,
 };
 use uuid::Uuid;
 
-use super::WriteTx;
 use super::calls::{close_unfinished, unfinished};
 use super::parts::{part_event_for, reply_message, show_at_end, utf16_len};
 use super::pending::{cancel_pending, pending_where};
 use super::steer;
+use super::{Lease, WriteTx, fenced_run};
 use crate::domain::event::{EventBody, EventKind, NewEvent};
 use crate::domain::run::{EndCause, RunError, RunInput, RunStatus, Usage, transition};
 use crate::domain::time::now_millis;
@@ -78,17 +78,20 @@ pub(in crate::store) async fn end(
     error: Option<RunError>,
 ) -> Result<Vec<NewEvent>> {
     let (events, _) = close_streaming_parts(tx, row.id, false).await?;
-    end_closed(tx, row, cause, error, None, events).await
+    end_closed(tx, row, None, cause, error, None, events).await
 }
 
 /// `end` for a caller that has closed the run's parts itself. Every tool
 /// call still without a result gets one here, and every message steered
 /// into the run that it did not answer is settled (`steer::settle`). A run
 /// cancelled because a message interrupted it ends `INTERRUPTED`, whoever
-/// commits its end.
+/// commits its end. `open` says whether the run has such a call or a
+/// pending interaction, when its fence already asked (`fence_for_end`);
+/// `None`: ask.
 pub(in crate::store) async fn end_closed(
     tx: &WriteTx,
     row: run::Model,
+    open: Option<bool>,
     cause: EndCause,
     error: Option<RunError>,
     reason: Option<String>,
@@ -98,7 +101,11 @@ pub(in crate::store) async fn end_closed(
         (EndCause::Cancelled, Some(asked)) => parse_stored(asked, "cancel cause")?,
         _ => cause,
     };
-    if anything_open(tx, row.id).await? {
+    let open = match open {
+        Some(open) => open,
+        None => anything_open(tx, row.id).await?,
+    };
+    if open {
         events.extend(close_unfinished(tx, &row).await?);
         events.extend(cancel_pending(tx, &row).await?);
     }
@@ -163,6 +170,16 @@ pub(in crate::store) async fn end_closed(
 /// interaction, in one query: a run that has neither (most) is ended
 /// without looking for them one by one.
 async fn anything_open(tx: &WriteTx, run_id: Uuid) -> Result<bool> {
+    let query = Query::select().expr(open_in(run_id)).to_owned();
+    let row = tx
+        .query_one_raw(tx.get_database_backend().build(&query))
+        .await?
+        .ok_or(Error::NotFound)?;
+    Ok(row.try_get_by_index::<bool>(0)?)
+}
+
+/// `anything_open`'s question, as an expression.
+fn open_in(run_id: Uuid) -> Expr {
     use sea_orm::sea_query::ExprTrait as _;
     let one = || Expr::value(1);
     let calls = unfinished(run_id).select_only().expr(one()).into_query();
@@ -170,14 +187,35 @@ async fn anything_open(tx: &WriteTx, run_id: Uuid) -> Result<bool> {
         .select_only()
         .expr(one())
         .into_query();
-    let query = Query::select()
-        .expr(Expr::exists(calls).or(Expr::exists(pending)))
-        .to_owned();
-    let row = tx
-        .query_one_raw(tx.get_database_backend().build(&query))
+    Expr::exists(calls).or(Expr::exists(pending))
+}
+
+/// The fence (`commit::fence`) of a commit that ends the run, asking in
+/// the same query whether anything is open (`anything_open`), for
+/// `end_closed`: a statement fewer on every run's last commit.
+pub(in crate::store) async fn fence_for_end(
+    tx: &WriteTx,
+    lease: &Lease,
+) -> Result<(run::Model, bool)> {
+    /// The run's row and the answer beside it.
+    struct Fenced(run::Model, bool);
+    impl FromQueryResult for Fenced {
+        fn from_query_result(row: &QueryResult, pre: &str) -> std::result::Result<Self, DbErr> {
+            Ok(Fenced(
+                run::Model::from_query_result(row, pre)?,
+                row.try_get(pre, OPEN)?,
+            ))
+        }
+    }
+    const OPEN: &str = "anything_open";
+    let Fenced(row, open) = fenced_run(tx, lease)
         .await?
-        .ok_or(Error::NotFound)?;
-    Ok(row.try_get_by_index::<bool>(0)?)
+        .expr_as(open_in(lease.run_id), OPEN)
+        .into_model::<Fenced>()
+        .one(&**tx)
+        .await?
+        .ok_or(Error::Fenced)?;
+    Ok((row, open))
 }
 
 /// No worker holds the run any more; the epoch moves on so a late writer of

@@ -25,7 +25,7 @@ pub(in crate::store) use calls::{change_in, change_through_in, record_in, set_ou
 pub use end::Ending;
 pub(in crate::store) use end::{
     abandon_open_parts, abandon_open_parts_with, apply_usage, clear_lease, end, end_closed,
-    step_events,
+    fence_for_end, step_events,
 };
 pub(in crate::store) use group::Pending;
 pub use parts::{OpenPart, PartText, utf16_len};
@@ -601,17 +601,25 @@ pub(in crate::store) async fn open<'a>(
 /// the transaction itself (`BEGIN IMMEDIATE`) already excludes every other
 /// writer, so the lock needs no statement of its own.
 pub(in crate::store) async fn fence(tx: &WriteTx, lease: &Lease) -> Result<run::Model> {
+    fenced_run(tx, lease)
+        .await?
+        .one(&**tx)
+        .await?
+        .ok_or(Error::Fenced)
+}
+
+/// The fence's query, its conversation locked first on PostgreSQL: the run
+/// still `RUNNING` under this lease's epoch, locked. `end::fence_for_end`
+/// asks it one more thing.
+async fn fenced_run(tx: &WriteTx, lease: &Lease) -> Result<sea_orm::Select<run::Entity>> {
     if tx.get_database_backend() == DatabaseBackend::Postgres {
         tx.lock_conversation(lease.conversation_id, &lease.tenant)
             .await?;
     }
-    run::Entity::find_by_id(lease.run_id)
+    Ok(run::Entity::find_by_id(lease.run_id)
         .filter(run::Column::LeaseEpoch.eq(lease.epoch))
         .filter(run::Column::Status.eq(RunStatus::Running.as_str()))
-        .lock_exclusive()
-        .one(&**tx)
-        .await?
-        .ok_or(Error::Fenced)
+        .lock_exclusive())
 }
 
 #[cfg(test)]
