@@ -492,9 +492,8 @@ async fn an_append_is_one_query_and_numbers_its_events_on() {
 /// A run's last commit (`runs::finish`) asks whether the run has a tool
 /// call without a result or a pending question in its fence's query: the
 /// fence, the run's parts, the run and the append (with its audit row),
-/// four queries on SQLite; on PostgreSQL the fence locks the conversation
-/// first and the audit row goes in a statement of its own before the
-/// append: six. A lease that moved on writes nothing.
+/// four queries on SQLite, and five on PostgreSQL, where the fence locks
+/// the conversation first. A lease that moved on writes nothing.
 #[tokio::test]
 async fn a_run_s_last_commit_asks_what_is_open_with_its_fence() {
     use tether::domain::run::{EndCause, Usage};
@@ -526,7 +525,7 @@ async fn a_run_s_last_commit_asks_what_is_open_with_its_fence() {
 
     let before = store.statements();
     runs::finish(&store, &lease, &parts, ending).await.unwrap();
-    let queries = if crate::support::on_postgres() { 6 } else { 4 };
+    let queries = if crate::support::on_postgres() { 5 } else { 4 };
     assert_eq!(store.statements() - before, queries);
     let ended = run_row(&store, queued.id).await;
     assert_eq!((ended.status.as_str(), ended.steps), ("COMPLETED", 1));

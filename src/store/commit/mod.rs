@@ -209,8 +209,8 @@ impl WriteTx {
         self.tally().runs_ended.push((status, cause));
     }
 
-    /// Inserts `model`, as built, with this transaction's next append (on
-    /// SQLite in the append's own query), or before it commits. For rows
+    /// Inserts `model`, as built, with this transaction's next append (in
+    /// the append's own query), or before it commits. For rows
     /// that nothing in the transaction reads back.
     pub(in crate::store) fn defer_insert<A: ActiveModelTrait>(&self, model: A) {
         self.deferred
@@ -286,8 +286,8 @@ impl WriteTx {
         self.append_after(Writes::default(), log, new_events).await
     }
 
-    /// Runs `writes`, then `append`s: on SQLite all in one hand-over to the
-    /// connection's thread.
+    /// Runs `writes`, then `append`s, in one query (on SQLite one hand-over
+    /// to the connection's thread, on PostgreSQL one round trip).
     pub(in crate::store) async fn append_after<'a>(
         &mut self,
         writes: Writes,
@@ -307,16 +307,11 @@ impl WriteTx {
             writes = all;
         }
         let sqlite = self.get_database_backend() == DatabaseBackend::Sqlite;
-        // Only SQLite's append query carries them; elsewhere they go first.
-        let writes = if sqlite && !new_events.is_empty() {
-            writes
-        } else {
+        // The append's query carries them; without events they go alone.
+        if new_events.is_empty() {
             for write in writes.0 {
                 self.tx.execute_raw(write).await?;
             }
-            Writes::default()
-        };
-        if new_events.is_empty() {
             return Ok(());
         }
         let count = new_events.len() as i64;
@@ -345,7 +340,7 @@ impl WriteTx {
                     notices.push((pg::QUEUED, notice(origin, None)));
                 }
             }
-            append_postgres(&self.tx, conversation, at, rows, notices).await?
+            append_postgres(&self.tx, writes, conversation, at, rows, notices).await?
         };
         for (offset, new) in new_events.into_iter().enumerate() {
             self.events.push(Event {
@@ -413,13 +408,16 @@ impl Writes {
 /// An event row to append: its run, kind and payload.
 type EventRow<'k> = (Option<Uuid>, &'k str, serde_json::Value);
 
-/// `append`'s rows on PostgreSQL, in one statement (one round trip): the
-/// conversation's sequence moved on, the rows numbered from its new last
-/// number, which it returns, and the `notices` sent (delivered on commit).
-/// Nothing is inserted, and no row returned, when there is no such
-/// conversation.
+/// `writes`, then `append`'s rows, on PostgreSQL, in one statement (one
+/// round trip): each write a data-modifying `WITH` query of its own (they
+/// insert rows nobody reads in the statement, and the foreign keys between
+/// them are checked at its end), the conversation's sequence moved on, the
+/// rows numbered from its new last number, which it returns, and the
+/// `notices` sent (delivered on commit). No row is returned when there is
+/// no such conversation, and the caller's transaction then fails.
 async fn append_postgres(
     tx: &DatabaseTransaction,
+    writes: Writes,
     conversation: Log<'_>,
     at: i64,
     rows: Vec<EventRow<'_>>,
@@ -432,6 +430,12 @@ async fn append_postgres(
         conversation.tenant.into(),
         at.into(),
     ];
+    let mut with = String::new();
+    for (i, write) in writes.0.into_iter().enumerate() {
+        let sql = renumbered(&write.sql, values.len());
+        with.push_str(&format!("w{i} AS ({sql}), "));
+        values.extend(write.values.map(|v| v.0).unwrap_or_default());
+    }
     let mut param = |value: sea_orm::Value| {
         values.push(value);
         format!("${}", values.len())
@@ -453,7 +457,7 @@ async fn append_postgres(
         sent.push_str(&format!(", pg_notify({channel}, {payload})"));
     }
     let sql = format!(
-        "WITH c AS (UPDATE conversations SET event_seq = event_seq + $1 WHERE id = $2 \
+        "WITH {with}c AS (UPDATE conversations SET event_seq = event_seq + $1 WHERE id = $2 \
                     RETURNING event_seq), \
               e AS (INSERT INTO events \
                       (conversation_id, seq, tenant, run_id, kind, payload, created_at) \
@@ -471,6 +475,39 @@ async fn append_postgres(
         .await?
         .ok_or(Error::NotFound)?;
     Ok(row.try_get_by_index::<i64>(0)?)
+}
+
+/// PostgreSQL's `sql` with each placeholder `$n` moved on to `$(n + by)`,
+/// for a statement that goes after `by` parameters in a longer one. Text in
+/// quotes (identifiers, literals) is left as it is.
+fn renumbered(sql: &str, by: usize) -> String {
+    let mut out = String::with_capacity(sql.len() + 8);
+    let mut chars = sql.chars().peekable();
+    let mut quote = None;
+    while let Some(c) = chars.next() {
+        match quote {
+            Some(q) => {
+                if c == q {
+                    quote = None;
+                }
+                out.push(c);
+            }
+            None if c == '\'' || c == '"' => {
+                quote = Some(c);
+                out.push(c);
+            }
+            None if c == '$' && chars.peek().is_some_and(char::is_ascii_digit) => {
+                let mut digits = String::new();
+                while let Some(d) = chars.next_if(char::is_ascii_digit) {
+                    digits.push(d);
+                }
+                let n: usize = digits.parse().unwrap_or(0);
+                out.push_str(&format!("${}", n + by));
+            }
+            None => out.push(c),
+        }
+    }
+    out
 }
 
 /// `writes`, then the rows, on SQLite, where all of it goes to the
@@ -635,6 +672,17 @@ mod tests {
     use crate::store::entities::{conversation, event, run, run_audit};
     use crate::store::test_support::{conversation, queued_run, temp_store};
     use crate::store::{Error, Store};
+
+    /// A statement's placeholders move on past the ones before it; what
+    /// is quoted stays as it is.
+    #[test]
+    fn placeholders_are_renumbered_outside_quotes() {
+        let sql = r#"INSERT INTO "t$1" ("a", "b") VALUES ($1, $12) -- '$2''$3' $"#;
+        assert_eq!(
+            super::renumbered(sql, 4),
+            r#"INSERT INTO "t$1" ("a", "b") VALUES ($5, $16) -- '$2''$3' $"#
+        );
+    }
 
     async fn rows(store: &Store, id: Uuid) -> Vec<event::Model> {
         event::Entity::find()
