@@ -14,7 +14,7 @@ use super::commit::{
     Begun, Ending, Finished, Lease, OpenPart, PartContent, PartText, Writes, abandon_open_parts,
     abandon_open_parts_with, apply_usage, assistant_message, clear_lease, end_closed, fence,
     fence_for_end, insert_part, join_steered, next_index, open, open_text_part, part_event,
-    record_in, save_parts, start, step_events, utf16_len,
+    record_in, save_parts, save_parts_with_append, start, step_events, utf16_len,
 };
 use super::entities::{part, run, summary};
 use super::{Error, Result, Store};
@@ -165,7 +165,9 @@ pub async fn finish(
             let (lease, parts, ending) = (lease.clone(), parts.clone(), ending.clone());
             Box::pin(async move {
                 let (mut row, open) = fence_for_end(tx, &lease).await?;
-                let mut events = save_parts(tx, &row, &parts, PartState::Done).await?;
+                // The parts' texts go with the append (`end_closed` writes
+                // them first if it reads or changes parts).
+                let mut events = save_parts_with_append(tx, &row, &parts, PartState::Done);
                 events.extend(step_events(&row, ending.usage, true));
                 apply_usage(&mut row, &ending);
                 // The worker's open parts are all closed just above; saving

@@ -490,10 +490,11 @@ async fn an_append_is_one_query_and_numbers_its_events_on() {
 }
 
 /// A run's last commit (`runs::finish`) asks whether the run has a tool
-/// call without a result or a pending question in its fence's query: the
-/// fence, the run's parts, the run and the append (with its audit row),
-/// four queries on SQLite, and five on PostgreSQL, where the fence locks
-/// the conversation first. A lease that moved on writes nothing.
+/// call without a result or a pending question in its fence's query, and
+/// its parts' final texts go with the append, as its audit row does: the
+/// fence (on PostgreSQL it locks the conversation first, in the same
+/// statement), the run and the append: three queries. A lease that moved
+/// on writes nothing; the text is saved, and said.
 #[tokio::test]
 async fn a_run_s_last_commit_asks_what_is_open_with_its_fence() {
     use tether::domain::run::{EndCause, Usage};
@@ -525,12 +526,28 @@ async fn a_run_s_last_commit_asks_what_is_open_with_its_fence() {
 
     let before = store.statements();
     runs::finish(&store, &lease, &parts, ending).await.unwrap();
-    let queries = if crate::support::on_postgres() { 5 } else { 4 };
-    assert_eq!(store.statements() - before, queries);
+    assert_eq!(store.statements() - before, 3);
     let ended = run_row(&store, queued.id).await;
     assert_eq!((ended.status.as_str(), ended.steps), ("COMPLETED", 1));
     let events = reads::events_after(store.db(), "acme", conversation_id, Default::default(), 100)
         .await
         .unwrap();
     assert_eq!(events.last().unwrap().kind, EventKind::RunCompleted);
+    let part = begun.part.unwrap();
+    let saved = tether::store::entities::part::Entity::find_by_id(part.id)
+        .one(store.db())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (saved.text.as_deref(), saved.state.as_str()),
+        (Some("Hello!"), "DONE")
+    );
+    let said = events
+        .iter()
+        .find(|e| e.kind == EventKind::PartUpdated)
+        .expect("part.updated");
+    let said = serde_json::to_value(&said.body).unwrap();
+    assert_eq!(said["partId"], part.id.to_string(), "{said}");
+    assert_eq!(said["textLength"], 6, "{said}");
 }

@@ -105,6 +105,12 @@ pub(in crate::store) async fn end_closed(
         Some(open) => open,
         None => anything_open(tx, row.id).await?,
     };
+    // What the caller deferred (its parts' final texts) is written before
+    // anything below reads or changes parts and messages; a plain end
+    // (most) does neither, and it goes with the append.
+    if open || error.is_some() || row.steering > 0 || row.steered {
+        tx.flush_deferred().await?;
+    }
     if open {
         events.extend(close_unfinished(tx, &row).await?);
         events.extend(cancel_pending(tx, &row).await?);
@@ -209,7 +215,6 @@ pub(in crate::store) async fn fence_for_end(
     }
     const OPEN: &str = "anything_open";
     let Fenced(row, open) = fenced_run(tx, lease)
-        .await?
         .expr_as(open_in(lease.run_id), OPEN)
         .into_model::<Fenced>()
         .one(&**tx)

@@ -31,6 +31,7 @@ pub(in crate::store) use group::Pending;
 pub use parts::{OpenPart, PartText, utf16_len};
 pub(in crate::store) use parts::{
     PartContent, add_part, assistant_message, insert_part, next_index, part_event, save_parts,
+    save_parts_with_append,
 };
 pub(in crate::store) use pending::{
     cancel_where, close_pending, interaction_event, kind_of, resolving_event,
@@ -43,7 +44,7 @@ pub(in crate::store) use steer::{NewRun, join as join_steered, queued_run, wait_
 use std::sync::PoisonError;
 use std::sync::atomic::Ordering;
 
-use sea_orm::sea_query::{Expr, ExprTrait};
+use sea_orm::sea_query::{Expr, ExprTrait, Query};
 use sea_orm::{
     ActiveModelTrait, ColumnTrait, ConnectionTrait, DatabaseBackend, DatabaseTransaction,
     EntityTrait, QueryFilter, QuerySelect, QueryTrait, SqliteTransactionMode, Statement,
@@ -126,7 +127,7 @@ impl Store {
     /// its writers first, so that a writer's response is not behind the work
     /// its events wake up). The write lane stays held until then, so that
     /// the bus hears commits in their order.
-    async fn commit_unannounced(&self, mut write: WriteTx) -> Result<Committed> {
+    async fn commit_unannounced(&self, write: WriteTx) -> Result<Committed> {
         write.flush_deferred().await?;
         let WriteTx {
             tx,
@@ -183,8 +184,8 @@ pub struct WriteTx {
     /// The runs it ends and the tool calls it gives an outcome, counted in
     /// the metrics once it commits.
     tally: std::sync::Mutex<Tally>,
-    /// Inserts no write reads back, sent with the next append or, at the
-    /// latest, before the commit (`defer_insert`).
+    /// Writes no later statement reads back, sent with the next append or,
+    /// at the latest, before the commit (`defer`).
     deferred: std::sync::Mutex<Writes>,
 }
 
@@ -213,19 +214,25 @@ impl WriteTx {
     /// the append's own query), or before it commits. For rows
     /// that nothing in the transaction reads back.
     pub(in crate::store) fn defer_insert<A: ActiveModelTrait>(&self, model: A) {
+        self.defer(A::Entity::insert(model).build(self.get_database_backend()));
+    }
+
+    /// Runs `write` with this transaction's next append (in the append's own
+    /// query), or before it commits. For a write whose effect nothing in
+    /// the transaction reads before then, and which changes rows that
+    /// nothing else in the transaction writes.
+    pub(in crate::store) fn defer(&self, write: Statement) {
         self.deferred
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .insert(self, model);
+            .0
+            .push(write);
     }
 
-    /// Runs the deferred inserts now.
-    pub(in crate::store) async fn flush_deferred(&mut self) -> Result<()> {
-        let deferred = std::mem::take(
-            self.deferred
-                .get_mut()
-                .unwrap_or_else(PoisonError::into_inner),
-        );
+    /// Runs the deferred writes now.
+    pub(in crate::store) async fn flush_deferred(&self) -> Result<()> {
+        let deferred =
+            std::mem::take(&mut *self.deferred.lock().unwrap_or_else(PoisonError::into_inner));
         for write in deferred.0 {
             self.tx.execute_raw(write).await?;
         }
@@ -638,25 +645,30 @@ pub(in crate::store) async fn open<'a>(
 /// the transaction itself (`BEGIN IMMEDIATE`) already excludes every other
 /// writer, so the lock needs no statement of its own.
 pub(in crate::store) async fn fence(tx: &WriteTx, lease: &Lease) -> Result<run::Model> {
-    fenced_run(tx, lease)
-        .await?
-        .one(&**tx)
-        .await?
-        .ok_or(Error::Fenced)
+    fenced_run(tx, lease).one(&**tx).await?.ok_or(Error::Fenced)
 }
 
-/// The fence's query, its conversation locked first on PostgreSQL: the run
-/// still `RUNNING` under this lease's epoch, locked. `end::fence_for_end`
-/// asks it one more thing.
-async fn fenced_run(tx: &WriteTx, lease: &Lease) -> Result<sea_orm::Select<run::Entity>> {
-    if tx.get_database_backend() == DatabaseBackend::Postgres {
-        tx.lock_conversation(lease.conversation_id, &lease.tenant)
-            .await?;
-    }
-    Ok(run::Entity::find_by_id(lease.run_id)
+/// The fence's query: the run still `RUNNING` under this lease's epoch,
+/// locked. On PostgreSQL it locks the run's conversation too, first, in
+/// the same statement: an uncorrelated `EXISTS (… FOR UPDATE)` is a
+/// one-time filter whose plan runs before the statement's top `LockRows`
+/// takes the run (every write locks a conversation before its runs).
+/// `end::fence_for_end` asks it one more thing.
+fn fenced_run(tx: &WriteTx, lease: &Lease) -> sea_orm::Select<run::Entity> {
+    let mut fenced = run::Entity::find_by_id(lease.run_id)
         .filter(run::Column::LeaseEpoch.eq(lease.epoch))
-        .filter(run::Column::Status.eq(RunStatus::Running.as_str()))
-        .lock_exclusive())
+        .filter(run::Column::Status.eq(RunStatus::Running.as_str()));
+    if tx.get_database_backend() == DatabaseBackend::Postgres {
+        let conversation = Query::select()
+            .expr(Expr::value(1))
+            .from(conversation::Entity)
+            .and_where(conversation::Column::Id.eq(lease.conversation_id))
+            .and_where(conversation::Column::Tenant.eq(lease.tenant.as_str()))
+            .lock_exclusive()
+            .to_owned();
+        fenced = fenced.filter(Expr::exists(conversation));
+    }
+    fenced.lock_exclusive()
 }
 
 #[cfg(test)]

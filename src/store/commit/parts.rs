@@ -3,7 +3,10 @@
 
 use sea_orm::ActiveValue::Set;
 use sea_orm::sea_query::Expr;
-use sea_orm::{ActiveModelTrait, ColumnTrait, EntityTrait, QueryFilter, QueryOrder};
+use sea_orm::{
+    ActiveModelTrait, ColumnTrait, ConnectionTrait, EntityTrait, QueryFilter, QueryOrder,
+    QueryTrait,
+};
 use uuid::Uuid;
 
 use super::WriteTx;
@@ -122,6 +125,34 @@ pub(in crate::store) async fn save_parts(
     Ok(events)
 }
 
+/// `save_parts` with the updates sent with the transaction's append
+/// (`WriteTx::defer`), for a commit that reads and changes none of these
+/// parts before it, or flushes them first (`end_closed`): the events are
+/// made from what the worker holds of each part.
+pub(in crate::store) fn save_parts_with_append(
+    tx: &WriteTx,
+    row: &run::Model,
+    parts: &[PartText],
+    state: PartState,
+) -> Vec<NewEvent> {
+    let backend = tx.get_database_backend();
+    let mut events = Vec::with_capacity(parts.len());
+    for streamed in parts {
+        tx.defer(part_update(streamed, state).build(backend));
+        let part = &streamed.part;
+        let length = Some(utf16_len(&streamed.text));
+        events.push(part_event_of(
+            EventKind::PartUpdated,
+            row.id,
+            part.message_id,
+            part.id,
+            part.kind,
+            length,
+        ));
+    }
+    events
+}
+
 /// Marks a part changed (its tool call moved on) and says `part.updated`.
 pub(in crate::store) async fn part_touched(
     tx: &WriteTx,
@@ -230,6 +261,15 @@ pub(in crate::store) fn new_part(
 }
 
 async fn update_part(tx: &WriteTx, streamed: &PartText, state: PartState) -> Result<part::Model> {
+    part_update(streamed, state)
+        .exec_with_returning(&**tx)
+        .await?
+        .pop()
+        .ok_or(Error::NotFound)
+}
+
+/// A streamed part's text, state and data saved.
+fn part_update(streamed: &PartText, state: PartState) -> sea_orm::UpdateMany<part::Entity> {
     let mut update = part::Entity::update_many()
         .col_expr(part::Column::Text, Expr::value(streamed.text.as_str()))
         .col_expr(part::Column::State, Expr::value(state.as_str()))
@@ -237,12 +277,7 @@ async fn update_part(tx: &WriteTx, streamed: &PartText, state: PartState) -> Res
     if let Some(data) = &streamed.data {
         update = update.col_expr(part::Column::Data, Expr::value(data.clone()));
     }
-    update
-        .filter(part::Column::Id.eq(streamed.part.id))
-        .exec_with_returning(&**tx)
-        .await?
-        .pop()
-        .ok_or(Error::NotFound)
+    update.filter(part::Column::Id.eq(streamed.part.id))
 }
 
 pub(in crate::store) fn part_event(
@@ -260,14 +295,33 @@ pub(in crate::store) fn part_event_for(
     part: &part::Model,
     text_length: Option<i64>,
 ) -> Result<NewEvent> {
-    Ok(NewEvent {
+    let part_kind = parse_stored(&part.kind, "part kind")?;
+    Ok(part_event_of(
+        kind,
+        run_id,
+        part.message_id,
+        part.id,
+        part_kind,
+        text_length,
+    ))
+}
+
+fn part_event_of(
+    kind: EventKind,
+    run_id: Uuid,
+    message_id: Uuid,
+    part_id: Uuid,
+    part_kind: PartKind,
+    text_length: Option<i64>,
+) -> NewEvent {
+    NewEvent {
         kind,
         run_id: Some(run_id),
         body: EventBody::Part {
-            message_id: part.message_id,
-            part_id: part.id,
-            kind: parse_stored(&part.kind, "part kind")?,
+            message_id,
+            part_id,
+            kind: part_kind,
             text_length,
         },
-    })
+    }
 }
