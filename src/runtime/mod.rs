@@ -159,54 +159,67 @@ async fn dispatch(
     let mut look_for_cancels = tokio::time::interval(CANCEL_POLL);
     look_for_cancels.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
 
+    // Whether runs may be waiting for a free slot: the last claim took as
+    // many as there were free, or a wake-up came with none free. A run's
+    // end then claims again; otherwise it needs no claim of its own (a run
+    // queued behind it in its conversation wakes the workers when the end
+    // commits, as `run.queued` does).
+    let mut saturated = false;
+    let mut claim = true;
     loop {
         // Claim while there are free slots and runs to claim, as many at
         // once as there are free slots.
-        loop {
-            let free = slots.available_permits();
-            if free == 0 {
-                break;
-            }
-            let began = std::time::Instant::now();
-            let claimed = match queue::take(&store, &options.instance_id, lease_ms, free).await {
-                Ok(claimed) => {
-                    if !claimed.is_empty() {
-                        telemetry::claimed(claimed.len(), began.elapsed());
+        if claim {
+            loop {
+                let free = slots.available_permits();
+                if free == 0 {
+                    saturated = true;
+                    break;
+                }
+                let began = std::time::Instant::now();
+                let claimed = match queue::take(&store, &options.instance_id, lease_ms, free).await
+                {
+                    Ok(claimed) => {
+                        if !claimed.is_empty() {
+                            telemetry::claimed(claimed.len(), began.elapsed());
+                        }
+                        claimed
                     }
-                    claimed
-                }
-                Err(err) => {
-                    tracing::warn!(error = %err, "claiming failed");
-                    break;
-                }
-            };
-            let exhausted = claimed.len() < free;
-            for claimed in claimed {
-                // Only this loop takes permits, so one is free for each.
-                let Ok(permit) = slots.clone().try_acquire_owned() else {
-                    break;
+                    Err(err) => {
+                        tracing::warn!(error = %err, "claiming failed");
+                        break;
+                    }
                 };
-                let control = controls.open(claimed.run.id);
-                let (store, config, tools, histories, controls) = (
-                    store.clone(),
-                    config.clone(),
-                    tools.clone(),
-                    histories.clone(),
-                    controls.clone(),
-                );
-                // The task's end frees its slot, and wakes the loop below
-                // (`join_next`) to claim again.
-                tasks.spawn(async move {
-                    let run_id = claimed.run.id;
-                    hold(store, config, tools, histories, claimed, control.clone()).await;
-                    controls.close(run_id, &control);
-                    drop(permit);
-                });
-            }
-            if exhausted {
-                break;
+                let exhausted = claimed.len() < free;
+                for claimed in claimed {
+                    // Only this loop takes permits, so one is free for each.
+                    let Ok(permit) = slots.clone().try_acquire_owned() else {
+                        break;
+                    };
+                    let control = controls.open(claimed.run.id);
+                    let (store, config, tools, histories, controls) = (
+                        store.clone(),
+                        config.clone(),
+                        tools.clone(),
+                        histories.clone(),
+                        controls.clone(),
+                    );
+                    // The task's end frees its slot, and wakes the loop below
+                    // (`join_next`) to claim again if runs wait for one.
+                    tasks.spawn(async move {
+                        let run_id = claimed.run.id;
+                        hold(store, config, tools, histories, claimed, control.clone()).await;
+                        controls.close(run_id, &control);
+                        drop(permit);
+                    });
+                }
+                if exhausted {
+                    saturated = false;
+                    break;
+                }
             }
         }
+        claim = true;
         tokio::select! {
             () = shutdown.cancelled() => break,
             () = store.bus().run_queued() => {}
@@ -235,14 +248,18 @@ async fn dispatch(
                     }
                     Err(err) => tracing::warn!(error = %err, "looking for cancellations failed"),
                 }
+                // Nothing to claim: a run a cancel ends frees its slot.
+                claim = false;
             }
             request = cancels.recv() => {
                 if let Ok(run_id) = request {
                     controls.stop(run_id, Stop::Cancelled);
                 }
+                claim = false;
             }
-            // A run's task ended and freed its slot: claim again.
-            Some(_) = tasks.join_next() => {}
+            // A run's task ended and freed its slot: claim again if runs
+            // may be waiting for one.
+            Some(_) = tasks.join_next() => claim = saturated,
         }
     }
 

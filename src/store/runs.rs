@@ -164,7 +164,7 @@ pub async fn finish(
         .write(move |tx| {
             let (lease, parts, ending) = (lease.clone(), parts.clone(), ending.clone());
             Box::pin(async move {
-                let (mut row, open) = fence_for_end(tx, &lease).await?;
+                let (mut row, fenced) = fence_for_end(tx, &lease).await?;
                 // The parts' texts go with the append (`end_closed` writes
                 // them first if it reads or changes parts).
                 let mut events = save_parts_with_append(tx, &row, &parts, PartState::Done);
@@ -173,7 +173,8 @@ pub async fn finish(
                 // The worker's open parts are all closed just above; saving
                 // them opened nothing.
                 let (cause, error, reason) = (ending.cause, ending.error, ending.reason);
-                let events = end_closed(tx, row, Some(open), cause, error, reason, events).await?;
+                let events =
+                    end_closed(tx, row, Some(fenced), cause, error, reason, events).await?;
                 tx.append(&lease, events).await
             })
         })

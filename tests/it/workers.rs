@@ -492,9 +492,11 @@ async fn an_append_is_one_query_and_numbers_its_events_on() {
 /// A run's last commit (`runs::finish`) asks whether the run has a tool
 /// call without a result or a pending question in its fence's query, and
 /// its parts' final texts go with the append, as its audit row does: the
-/// fence (on PostgreSQL it locks the conversation first, in the same
-/// statement), the run and the append: three queries. A lease that moved
-/// on writes nothing; the text is saved, and said.
+/// fence, the run and the append: three queries on SQLite, and four on
+/// PostgreSQL, where the conversation is locked first, in a statement of
+/// its own (what the fence asks beside the run must be read once the lock
+/// is held). A lease that moved on writes nothing; the text is saved, and
+/// said.
 #[tokio::test]
 async fn a_run_s_last_commit_asks_what_is_open_with_its_fence() {
     use tether::domain::run::{EndCause, Usage};
@@ -526,7 +528,8 @@ async fn a_run_s_last_commit_asks_what_is_open_with_its_fence() {
 
     let before = store.statements();
     runs::finish(&store, &lease, &parts, ending).await.unwrap();
-    assert_eq!(store.statements() - before, 3);
+    let queries = if crate::support::on_postgres() { 4 } else { 3 };
+    assert_eq!(store.statements() - before, queries);
     let ended = run_row(&store, queued.id).await;
     assert_eq!((ended.status.as_str(), ended.steps), ("COMPLETED", 1));
     let events = reads::events_after(store.db(), "acme", conversation_id, Default::default(), 100)
@@ -550,4 +553,75 @@ async fn a_run_s_last_commit_asks_what_is_open_with_its_fence() {
     let said = serde_json::to_value(&said.body).unwrap();
     assert_eq!(said["partId"], part.id.to_string(), "{said}");
     assert_eq!(said["textLength"], 6, "{said}");
+}
+
+/// A run's end claims nothing when no run waits behind it: a message sent
+/// after the run before it completed costs three write transactions
+/// (`sendMessage`, the claim that starts it, its end), with no claim that
+/// finds nothing after its end. A run queued behind another in its
+/// conversation is claimed as soon as that one ends (its end wakes the
+/// workers), not at the next poll, which this configuration puts a minute
+/// away.
+#[tokio::test]
+async fn a_run_s_end_claims_only_when_a_run_waits_behind_it() {
+    const SLOW_POLL: &str = r#"
+[runtime]
+lease_secs = 600
+heartbeat_secs = 60
+poll_ms = 60000
+concurrency = 4
+
+[[agents]]
+name = "demo"
+provider = "scripted"
+stream_delay_ms = 0
+"#;
+    let db = TestDb::new().await;
+    let config = Arc::new(FileConfig::from_toml(SLOW_POLL).unwrap());
+    let tools = Arc::new(Registry::from_config(&config).unwrap());
+    let store = store(&db).await;
+    let conversation_id = conversation(&store).await;
+    let engine = Runtime::start(
+        store.clone(),
+        config,
+        tools,
+        RuntimeOptions {
+            instance_id: "engine".into(),
+            sole_owner: false,
+        },
+    );
+    let completed = |run_id: Uuid| {
+        let store = store.clone();
+        async move {
+            let deadline = tokio::time::Instant::now() + PATIENCE;
+            loop {
+                if run_row(&store, run_id).await.status == "COMPLETED" {
+                    return;
+                }
+                assert!(tokio::time::Instant::now() < deadline, "run {run_id}");
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+    };
+    completed(send(&store, conversation_id, "first").await.id).await;
+    let before = store.write_transactions();
+    for i in 0..10 {
+        completed(
+            send(&store, conversation_id, &format!("message {i}"))
+                .await
+                .id,
+        )
+        .await;
+    }
+    // The engine's start-up sweep (its first lease reap, at once) may come
+    // after the first run and claim once more; a claim after each run's
+    // end would make it 39 at least.
+    let writes = store.write_transactions() - before;
+    assert!((30..=31).contains(&writes), "{writes} write transactions");
+
+    let ahead = send(&store, conversation_id, "ahead").await;
+    let behind = send(&store, conversation_id, "behind").await;
+    completed(ahead.id).await;
+    completed(behind.id).await;
+    engine.shutdown().await;
 }

@@ -4,10 +4,10 @@
 //! pending interactions).
 
 use sea_orm::ActiveValue::Set;
-use sea_orm::sea_query::{Expr, Query};
+use sea_orm::sea_query::{Alias, Expr, Query};
 use sea_orm::{
-    ActiveModelTrait, ColumnTrait, ConnectionTrait, DbErr, EntityTrait, FromQueryResult,
-    QueryFilter, QueryOrder, QueryResult, QuerySelect, QueryTrait,
+    ActiveModelTrait, ColumnTrait, ConnectionTrait, DatabaseBackend, DbErr, EntityTrait,
+    FromQueryResult, QueryFilter, QueryOrder, QueryResult, QuerySelect, QueryTrait,
 };
 use uuid::Uuid;
 
@@ -85,13 +85,14 @@ pub(in crate::store) async fn end(
 /// call still without a result gets one here, and every message steered
 /// into the run that it did not answer is settled (`steer::settle`). A run
 /// cancelled because a message interrupted it ends `INTERRUPTED`, whoever
-/// commits its end. `open` says whether the run has such a call or a
-/// pending interaction, when its fence already asked (`fence_for_end`);
-/// `None`: ask.
+/// commits its end. `fenced` is what the caller's fence asked already
+/// (`fence_for_end`); `None`: ask what is open, and take it that a run may
+/// be queued behind this one. When one may, this process's workers are
+/// woken once the end commits, to claim it.
 pub(in crate::store) async fn end_closed(
     tx: &WriteTx,
     row: run::Model,
-    open: Option<bool>,
+    fenced: Option<EndFence>,
     cause: EndCause,
     error: Option<RunError>,
     reason: Option<String>,
@@ -101,10 +102,13 @@ pub(in crate::store) async fn end_closed(
         (EndCause::Cancelled, Some(asked)) => parse_stored(asked, "cancel cause")?,
         _ => cause,
     };
-    let open = match open {
-        Some(open) => open,
-        None => anything_open(tx, row.id).await?,
+    let (open, queued_behind) = match fenced {
+        Some(fenced) => (fenced.open, fenced.queued_behind),
+        None => (anything_open(tx, row.id).await?, true),
     };
+    if queued_behind {
+        tx.wake_workers_on_commit();
+    }
     // What the caller deferred (its parts' final texts) is written before
     // anything below reads or changes parts and messages; a plain end
     // (most) does neither, and it goes with the append.
@@ -196,31 +200,72 @@ fn open_in(run_id: Uuid) -> Expr {
     Expr::exists(calls).or(Expr::exists(pending))
 }
 
+/// What the fence of a commit that ends a run asked beside the run's row
+/// (`fence_for_end`), for `end_closed`.
+#[derive(Debug, Clone, Copy)]
+pub(in crate::store) struct EndFence {
+    /// Whether the run has a tool call without a result or a pending
+    /// interaction (`anything_open`).
+    open: bool,
+    /// Whether a later run of its conversation is queued, to be claimed
+    /// once this one ends.
+    queued_behind: bool,
+}
+
 /// The fence (`commit::fence`) of a commit that ends the run, asking in
-/// the same query whether anything is open (`anything_open`), for
-/// `end_closed`: a statement fewer on every run's last commit.
+/// the same query whether anything is open and whether a run is queued
+/// behind it, for `end_closed`: a statement fewer on every run's last
+/// commit, and no claim after it when nothing waits.
 pub(in crate::store) async fn fence_for_end(
     tx: &WriteTx,
     lease: &Lease,
-) -> Result<(run::Model, bool)> {
-    /// The run's row and the answer beside it.
-    struct Fenced(run::Model, bool);
+) -> Result<(run::Model, EndFence)> {
+    /// The run's row and the answers beside it.
+    struct Fenced(run::Model, EndFence);
     impl FromQueryResult for Fenced {
         fn from_query_result(row: &QueryResult, pre: &str) -> std::result::Result<Self, DbErr> {
             Ok(Fenced(
                 run::Model::from_query_result(row, pre)?,
-                row.try_get(pre, OPEN)?,
+                EndFence {
+                    open: row.try_get(pre, OPEN)?,
+                    queued_behind: row.try_get(pre, QUEUED_BEHIND)?,
+                },
             ))
         }
     }
+    use sea_orm::sea_query::ExprTrait as _;
     const OPEN: &str = "anything_open";
-    let Fenced(row, open) = fenced_run(tx, lease)
+    const QUEUED_BEHIND: &str = "queued_behind";
+    let later = Alias::new("later");
+    let behind = Query::select()
+        .expr(Expr::value(1))
+        .from_as(run::Entity, later.clone())
+        .and_where(
+            Expr::col((later.clone(), run::Column::ConversationId))
+                .equals((run::Entity, run::Column::ConversationId)),
+        )
+        .and_where(
+            Expr::col((later.clone(), run::Column::Seq))
+                .gt(Expr::col((run::Entity, run::Column::Seq))),
+        )
+        .and_where(Expr::col((later, run::Column::Status)).eq(RunStatus::Queued.as_str()))
+        .to_owned();
+    // On PostgreSQL the conversation is locked in a statement of its own,
+    // before: a statement reads what others committed before it began, and
+    // one that waited for the lock would miss a run queued meanwhile (its
+    // `run.queued` came while this run still held the conversation back).
+    if tx.get_database_backend() == DatabaseBackend::Postgres {
+        tx.lock_conversation(lease.conversation_id, &lease.tenant)
+            .await?;
+    }
+    let Fenced(row, fenced) = fenced_run(lease)
         .expr_as(open_in(lease.run_id), OPEN)
+        .expr_as(Expr::exists(behind), QUEUED_BEHIND)
         .into_model::<Fenced>()
         .one(&**tx)
         .await?
         .ok_or(Error::Fenced)?;
-    Ok((row, open))
+    Ok((row, fenced))
 }
 
 /// No worker holds the run any more; the epoch moves on so a late writer of

@@ -113,6 +113,7 @@ impl Store {
             lane,
             tally: std::sync::Mutex::default(),
             deferred: std::sync::Mutex::default(),
+            wake: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -135,6 +136,7 @@ impl Store {
             cancels,
             lane,
             tally,
+            wake,
             ..
         } = write;
         tx.commit().await?;
@@ -142,6 +144,7 @@ impl Store {
             events,
             cancels,
             tally: tally.into_inner().unwrap_or_else(PoisonError::into_inner),
+            wake: wake.into_inner(),
             _lane: lane,
         })
     }
@@ -155,6 +158,9 @@ impl Store {
         for run_id in &committed.cancels {
             self.bus.request_cancel(*run_id);
         }
+        if committed.wake {
+            self.bus.wake_workers();
+        }
     }
 }
 
@@ -167,6 +173,7 @@ struct Committed {
     events: Vec<Event>,
     cancels: Vec<Uuid>,
     tally: Tally,
+    wake: bool,
     _lane: WriteLane,
 }
 
@@ -187,6 +194,10 @@ pub struct WriteTx {
     /// Writes no later statement reads back, sent with the next append or,
     /// at the latest, before the commit (`defer`).
     deferred: std::sync::Mutex<Writes>,
+    /// Whether this process's workers are woken once it commits: a run may
+    /// be ready to claim that no `run.queued` announces (the next of a
+    /// conversation whose run this transaction ends).
+    wake: std::sync::atomic::AtomicBool,
 }
 
 impl std::ops::Deref for WriteTx {
@@ -203,6 +214,11 @@ impl WriteTx {
     pub async fn rollback(self) -> Result<()> {
         self.tx.rollback().await?;
         Ok(())
+    }
+
+    /// Wakes this process's workers once this transaction commits.
+    pub(in crate::store) fn wake_workers_on_commit(&self) {
+        self.wake.store(true, Ordering::Relaxed);
     }
 
     /// Notes a run this transaction ends, for the metrics.
@@ -645,20 +661,15 @@ pub(in crate::store) async fn open<'a>(
 /// the transaction itself (`BEGIN IMMEDIATE`) already excludes every other
 /// writer, so the lock needs no statement of its own.
 pub(in crate::store) async fn fence(tx: &WriteTx, lease: &Lease) -> Result<run::Model> {
-    fenced_run(tx, lease).one(&**tx).await?.ok_or(Error::Fenced)
-}
-
-/// The fence's query: the run still `RUNNING` under this lease's epoch,
-/// locked. On PostgreSQL it locks the run's conversation too, first, in
-/// the same statement: an uncorrelated `EXISTS (… FOR UPDATE)` is a
-/// one-time filter whose plan runs before the statement's top `LockRows`
-/// takes the run (every write locks a conversation before its runs).
-/// `end::fence_for_end` asks it one more thing.
-fn fenced_run(tx: &WriteTx, lease: &Lease) -> sea_orm::Select<run::Entity> {
-    let mut fenced = run::Entity::find_by_id(lease.run_id)
-        .filter(run::Column::LeaseEpoch.eq(lease.epoch))
-        .filter(run::Column::Status.eq(RunStatus::Running.as_str()));
+    let mut fenced = fenced_run(lease);
     if tx.get_database_backend() == DatabaseBackend::Postgres {
+        // The conversation locked in the same statement, first: an
+        // uncorrelated `EXISTS (… FOR UPDATE)` is a one-time filter whose
+        // plan runs before the statement's top `LockRows` takes the run
+        // (every write locks a conversation before its runs). The run's row
+        // is read as its latest version however long that lock took (a row
+        // changed meanwhile is read again as `FOR UPDATE` does); a query
+        // that asks more beside it locks first (`end::fence_for_end`).
         let conversation = Query::select()
             .expr(Expr::value(1))
             .from(conversation::Entity)
@@ -668,7 +679,16 @@ fn fenced_run(tx: &WriteTx, lease: &Lease) -> sea_orm::Select<run::Entity> {
             .to_owned();
         fenced = fenced.filter(Expr::exists(conversation));
     }
-    fenced.lock_exclusive()
+    fenced.one(&**tx).await?.ok_or(Error::Fenced)
+}
+
+/// The fence's query, without the conversation's lock: the run still
+/// `RUNNING` under this lease's epoch, locked.
+fn fenced_run(lease: &Lease) -> sea_orm::Select<run::Entity> {
+    run::Entity::find_by_id(lease.run_id)
+        .filter(run::Column::LeaseEpoch.eq(lease.epoch))
+        .filter(run::Column::Status.eq(RunStatus::Running.as_str()))
+        .lock_exclusive()
 }
 
 #[cfg(test)]
