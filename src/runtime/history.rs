@@ -57,8 +57,9 @@ impl History {
 /// index. Otherwise, with a summary, the messages from the question whose
 /// pair it ends in (see `after_summary`); without one, every message:
 /// compaction, which decides from the whole history whether to summarize
-/// and summarizes all but the latest turns, needs all of them. Then the
-/// parts, tool calls and questions of the messages read, each by index.
+/// and summarizes all but the latest turns, needs all of them. The
+/// messages come with their parts (one query), then the tool calls and
+/// questions those parts show, each by index.
 pub async fn load(store: &Store, histories: &Histories, run: &run::Model) -> Result<History> {
     let db = store.db();
     let latest_summary = summary::Entity::find()

@@ -166,6 +166,10 @@ async fn dispatch(
     // commits, as `run.queued` does).
     let mut saturated = false;
     let mut claim = true;
+    // The poll (`poll_ms`) counts from the last claim, whatever woke the
+    // loop since: wake-ups that claim nothing must not put it off.
+    let polled = tokio::time::sleep(poll);
+    tokio::pin!(polled);
     loop {
         // Claim while there are free slots and runs to claim, as many at
         // once as there are free slots.
@@ -218,12 +222,13 @@ async fn dispatch(
                     break;
                 }
             }
+            polled.as_mut().reset(tokio::time::Instant::now() + poll);
         }
         claim = true;
         tokio::select! {
             () = shutdown.cancelled() => break,
             () = store.bus().run_queued() => {}
-            () = tokio::time::sleep(poll) => {}
+            () = &mut polled => {}
             _ = reap.tick() => {
                 if let Err(err) = queue::reclaim(&store, Reclaim::Expired, budget).await {
                     tracing::warn!(error = %err, "recovering expired leases failed");

@@ -170,8 +170,8 @@ pub async fn finish(
                 let mut events = save_parts_with_append(tx, &row, &parts, PartState::Done);
                 events.extend(step_events(&row, ending.usage, true));
                 apply_usage(&mut row, &ending);
-                // The worker's open parts are all closed just above; saving
-                // them opened nothing.
+                // The worker's open parts are all closed by the deferred
+                // updates above (written before anything reads parts).
                 let (cause, error, reason) = (ending.cause, ending.error, ending.reason);
                 let events =
                     end_closed(tx, row, Some(fenced), cause, error, reason, events).await?;

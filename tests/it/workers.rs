@@ -625,3 +625,70 @@ stream_delay_ms = 0
     completed(behind.id).await;
     engine.shutdown().await;
 }
+
+/// A run queued where no wake-up reaches this process (another process's
+/// store, with a bus of its own) is claimed at the next poll, even while
+/// this process's own runs keep ending more often than that: wake-ups that
+/// claim nothing do not put the poll off.
+#[tokio::test]
+async fn the_poll_claims_a_run_nobody_woke_for_while_other_runs_end() {
+    const POLL: &str = r#"
+[runtime]
+lease_secs = 600
+heartbeat_secs = 60
+poll_ms = 300
+concurrency = 32
+
+[[agents]]
+name = "demo"
+provider = "scripted"
+stream_delay_ms = 10
+"#;
+    let db = TestDb::new().await;
+    let config = Arc::new(FileConfig::from_toml(POLL).unwrap());
+    let tools = Arc::new(Registry::from_config(&config).unwrap());
+    let (here, elsewhere) = (store(&db).await, store(&db).await);
+    let engine = Runtime::start(
+        here.clone(),
+        config,
+        tools,
+        RuntimeOptions {
+            instance_id: "engine".into(),
+            sole_owner: false,
+        },
+    );
+    // Twelve runs ending about 150 ms apart, from about 0.2 s to 1.9 s.
+    let mut busy = Vec::new();
+    for i in 0..12 {
+        let conversation_id = conversation(&here).await;
+        let text = format!("/stream {}", 20 + 15 * i);
+        busy.push(send(&here, conversation_id, &text).await.id);
+    }
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    for run_id in &busy {
+        while run_row(&here, *run_id).await.status == "QUEUED" {
+            assert!(tokio::time::Instant::now() < deadline, "a busy run waits");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+    let quiet = conversation(&elsewhere).await;
+    let unwoken = send(&elsewhere, quiet, "nobody here hears of me").await;
+    loop {
+        let mut still_running = 0;
+        for run_id in &busy {
+            if run_row(&here, *run_id).await.status != "COMPLETED" {
+                still_running += 1;
+            }
+        }
+        if run_row(&here, unwoken.id).await.status != "QUEUED" {
+            assert!(still_running > 0, "claimed only once the busy runs ended");
+            break;
+        }
+        assert!(
+            still_running > 0,
+            "every busy run ended and the run nobody woke for still waits"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    engine.shutdown().await;
+}

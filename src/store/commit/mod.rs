@@ -318,7 +318,7 @@ impl WriteTx {
         new_events: Vec<NewEvent>,
     ) -> Result<()> {
         let conversation = log.into();
-        // The deferred inserts go first, in the order they were deferred.
+        // The deferred writes go first, in the order they were deferred.
         let mut writes = writes;
         let deferred = self
             .deferred
@@ -410,10 +410,11 @@ fn notice(origin: Uuid, id: Option<Uuid>) -> String {
     }
 }
 
-/// Inserts whose results nobody reads in the transaction, kept to be sent
-/// with its next append (`WriteTx::append_after`), in the order added. A
-/// caller adds only rows it built whole, and reads nothing they would
-/// change before that append.
+/// Writes whose results nobody reads in the transaction, kept to be sent
+/// with its next append (`WriteTx::append_after`), in the order added: rows
+/// a caller built whole, and updates of rows nothing else in the
+/// transaction writes (`WriteTx::defer`). The caller reads nothing they
+/// would change before that append.
 #[derive(Default)]
 pub(in crate::store) struct Writes(Vec<Statement>);
 
@@ -433,8 +434,8 @@ type EventRow<'k> = (Option<Uuid>, &'k str, serde_json::Value);
 
 /// `writes`, then `append`'s rows, on PostgreSQL, in one statement (one
 /// round trip): each write a data-modifying `WITH` query of its own (they
-/// insert rows nobody reads in the statement, and the foreign keys between
-/// them are checked at its end), the conversation's sequence moved on, the
+/// insert or update rows nothing else in the statement reads or writes,
+/// and the foreign keys between them are checked at its end), the conversation's sequence moved on, the
 /// rows numbered from its new last number, which it returns, and the
 /// `notices` sent (delivered on commit). No row is returned when there is
 /// no such conversation, and the caller's transaction then fails.
