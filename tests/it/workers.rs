@@ -36,6 +36,41 @@ provider = "scripted"
 stream_delay_ms = 0
 "#;
 
+/// A configuration whose leases, heartbeats and reaps are far off, so that
+/// only what a test does writes, with this poll, concurrency and scripted
+/// stream delay.
+fn quiet_config(poll_ms: u64, concurrency: usize, stream_delay_ms: u64) -> Arc<FileConfig> {
+    let toml = format!(
+        r#"
+[runtime]
+lease_secs = 600
+heartbeat_secs = 60
+poll_ms = {poll_ms}
+concurrency = {concurrency}
+
+[[agents]]
+name = "demo"
+provider = "scripted"
+stream_delay_ms = {stream_delay_ms}
+"#
+    );
+    Arc::new(FileConfig::from_toml(&toml).unwrap())
+}
+
+/// An engine of `config` on `store`, as instance `id`.
+fn engine(store: &Store, config: Arc<FileConfig>, id: &str) -> Runtime {
+    let tools = Arc::new(Registry::from_config(&config).unwrap());
+    Runtime::start(
+        store.clone(),
+        config,
+        tools,
+        RuntimeOptions {
+            instance_id: id.into(),
+            sole_owner: false,
+        },
+    )
+}
+
 /// The begun text part with `text` in it.
 fn texts(begun: &Begun, text: &str) -> Vec<PartText> {
     vec![PartText {
@@ -564,32 +599,10 @@ async fn a_run_s_last_commit_asks_what_is_open_with_its_fence() {
 /// away.
 #[tokio::test]
 async fn a_run_s_end_claims_only_when_a_run_waits_behind_it() {
-    const SLOW_POLL: &str = r#"
-[runtime]
-lease_secs = 600
-heartbeat_secs = 60
-poll_ms = 60000
-concurrency = 4
-
-[[agents]]
-name = "demo"
-provider = "scripted"
-stream_delay_ms = 0
-"#;
     let db = TestDb::new().await;
-    let config = Arc::new(FileConfig::from_toml(SLOW_POLL).unwrap());
-    let tools = Arc::new(Registry::from_config(&config).unwrap());
     let store = store(&db).await;
     let conversation_id = conversation(&store).await;
-    let engine = Runtime::start(
-        store.clone(),
-        config,
-        tools,
-        RuntimeOptions {
-            instance_id: "engine".into(),
-            sole_owner: false,
-        },
-    );
+    let engine = engine(&store, quiet_config(60_000, 4, 0), "engine");
     let completed = |run_id: Uuid| {
         let store = store.clone();
         async move {
@@ -632,31 +645,9 @@ stream_delay_ms = 0
 /// claim nothing do not put the poll off.
 #[tokio::test]
 async fn the_poll_claims_a_run_nobody_woke_for_while_other_runs_end() {
-    const POLL: &str = r#"
-[runtime]
-lease_secs = 600
-heartbeat_secs = 60
-poll_ms = 300
-concurrency = 32
-
-[[agents]]
-name = "demo"
-provider = "scripted"
-stream_delay_ms = 10
-"#;
     let db = TestDb::new().await;
-    let config = Arc::new(FileConfig::from_toml(POLL).unwrap());
-    let tools = Arc::new(Registry::from_config(&config).unwrap());
     let (here, elsewhere) = (store(&db).await, store(&db).await);
-    let engine = Runtime::start(
-        here.clone(),
-        config,
-        tools,
-        RuntimeOptions {
-            instance_id: "engine".into(),
-            sole_owner: false,
-        },
-    );
+    let engine = engine(&here, quiet_config(300, 32, 10), "engine");
     // Twelve runs ending about 150 ms apart, from about 0.2 s to 1.9 s.
     let mut busy = Vec::new();
     for i in 0..12 {

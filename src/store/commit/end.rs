@@ -112,7 +112,7 @@ pub(in crate::store) async fn end_closed(
     // What the caller deferred (its parts' final texts) is written before
     // anything below reads or changes parts and messages; a plain end
     // (most) does neither, and it goes with the append.
-    if open || error.is_some() || row.steering > 0 || row.steered {
+    if open || error.is_some() || steer::has_steered(&row) {
         tx.flush_deferred().await?;
     }
     if open {

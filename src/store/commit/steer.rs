@@ -172,6 +172,12 @@ pub(in crate::store) async fn join(
     Ok(Some(assistant_message_new(tx, writes, row, pos, events)))
 }
 
+/// Whether messages were steered into the run, or wait to be: what `settle`
+/// has to settle when it ends.
+pub(in crate::store) fn has_steered(row: &run::Model) -> bool {
+    row.steering > 0 || row.steered
+}
+
 /// `row` ends: every steered message it did not answer is settled, so that
 /// none is dropped. Those still waiting, and those that joined at a boundary
 /// no answer of the model followed (the run ended at its next step's start:
@@ -186,7 +192,7 @@ pub(in crate::store) async fn settle(
     cause: EndCause,
     events: &mut Vec<NewEvent>,
 ) -> Result<()> {
-    if row.steering == 0 && !row.steered {
+    if !has_steered(row) {
         return Ok(());
     }
     let mut left = if row.steered {
