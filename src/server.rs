@@ -28,14 +28,7 @@ pub enum Role {
 }
 
 pub async fn open_store(config: &Config) -> anyhow::Result<Store> {
-    let database = &config.file.database;
-    let pools = Pools {
-        connections: database.connections,
-        read_connections: config.file.api.read_connections,
-        acquire_timeout: Duration::from_secs_f64(database.acquire_timeout_secs),
-        statement_timeout: (database.statement_timeout_secs > 0.0)
-            .then(|| Duration::from_secs_f64(database.statement_timeout_secs)),
-    };
+    let pools = Pools::configured(&config.file.database, &config.file.api);
     Store::open(&config.database_url, Bus::new(), &pools)
         .await
         .map_err(|err| {

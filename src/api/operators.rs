@@ -187,7 +187,7 @@ impl OperatorMutation {
         let operator = operator(ctx)?;
         let note = note(&input.note)?;
         let id = parse_id(&input.tool_call_id).ok_or(ApiError::NotFound)?;
-        let resolution = tool_calls::Resolution {
+        let resolution = tool_calls::OperatorResolution {
             operator,
             succeeded: input.outcome == ResolvedOutcome::Completed,
             output: input.output.0,

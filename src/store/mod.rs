@@ -26,6 +26,7 @@ use sea_orm::{
 use tether_migrations::{Migrator, MigratorTrait};
 
 use crate::bus::Bus;
+use crate::config::{ApiConfig, DatabaseConfig};
 use crate::domain::retry::RetryPolicy;
 
 #[derive(Debug, thiserror::Error)]
@@ -119,14 +120,23 @@ pub struct Pools {
     pub statement_timeout: Option<Duration>,
 }
 
-impl Default for Pools {
-    fn default() -> Self {
+impl Pools {
+    /// The pools that `[database]` and `[api]` configure.
+    pub fn configured(database: &DatabaseConfig, api: &ApiConfig) -> Pools {
         Pools {
-            connections: None,
-            read_connections: 8,
-            acquire_timeout: Duration::from_secs(30),
-            statement_timeout: None,
+            connections: database.connections,
+            read_connections: api.read_connections,
+            acquire_timeout: Duration::from_secs_f64(database.acquire_timeout_secs),
+            statement_timeout: (database.statement_timeout_secs > 0.0)
+                .then(|| Duration::from_secs_f64(database.statement_timeout_secs)),
         }
+    }
+}
+
+impl Default for Pools {
+    /// The configuration's defaults.
+    fn default() -> Self {
+        Pools::configured(&DatabaseConfig::default(), &ApiConfig::default())
     }
 }
 

@@ -232,7 +232,7 @@ pub async fn record(store: &Store, lease: &Lease, finished: Finished) -> Result<
 
 /// How an operator says a call of unknown outcome came out.
 #[derive(Debug, Clone)]
-pub struct Resolution<'a> {
+pub struct OperatorResolution<'a> {
     pub operator: &'a str,
     pub succeeded: bool,
     /// What the downstream system reports, as the call's output.
@@ -248,7 +248,7 @@ pub struct Resolution<'a> {
 pub async fn resolve(
     store: &Store,
     call_id: Uuid,
-    resolution: Resolution<'_>,
+    resolution: OperatorResolution<'_>,
 ) -> Result<tool_call::Model> {
     let mut tx = store.begin_write().await?;
     let call = tool_call::Entity::find_by_id(call_id)
@@ -272,7 +272,7 @@ pub async fn resolve(
         .one(&*tx)
         .await?
         .ok_or(Error::NotFound)?;
-    let Resolution {
+    let OperatorResolution {
         operator,
         succeeded,
         output,
