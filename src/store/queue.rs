@@ -101,8 +101,8 @@ async fn claim_and_start(
     Ok(claimed
         .into_iter()
         .zip(started)
-        .map(|(run, (message_id, part))| Claimed {
-            begun: Some(Begun::new(run.clone(), message_id, part, &committed)),
+        .map(|(run, started)| Claimed {
+            begun: Some(Begun::new(run.clone(), started, &committed)),
             run,
         })
         .collect())
@@ -114,7 +114,7 @@ async fn start_claimed(
     owner: &str,
     lease_ms: i64,
     limit: usize,
-) -> Result<(Vec<run::Model>, Vec<(Uuid, Option<commit::OpenPart>)>)> {
+) -> Result<(Vec<run::Model>, Vec<commit::Started>)> {
     let claimed = claim_in(&**tx, owner, lease_ms, limit, Locks::RunsAndConversations).await?;
     let mut started = Vec::with_capacity(claimed.len());
     for row in &claimed {
@@ -669,6 +669,49 @@ mod tests {
         assert_eq!(resumed.message_id, begun.message_id);
         assert_eq!(resumed.run.lease_epoch, 3);
         assert!(resumed.part.is_some());
+        std::fs::remove_dir_all(dir).ok();
+    }
+
+    #[tokio::test]
+    async fn a_claim_reads_the_batch_a_run_left_unfinished() {
+        use crate::store::entities::part;
+        use crate::store::test_support::requested_call;
+
+        let (store, dir) = temp_store().await;
+        // The run asked for a tool after saying "ok", and lost its worker.
+        let (lease, call) = requested_call(&store, "effect").await;
+        crate::store::runs::release(&store, &lease, &[])
+            .await
+            .unwrap();
+        let statements = store.statements();
+        let taken = take(&store, "w", 60_000, 4).await.unwrap();
+        let statements = store.statements() - statements;
+        let [
+            Claimed {
+                begun: Some(begun), ..
+            },
+        ] = taken.as_slice()
+        else {
+            panic!("one run, started: {taken:?}");
+        };
+        // No text part while the batch is unfinished: the batch comes with
+        // the claim, and the worker reads nothing more before it runs it.
+        assert!(begun.part.is_none());
+        let batch = begun.batch.as_ref().expect("the step's batch");
+        assert_eq!(batch.said, "ok");
+        let ids: Vec<_> = batch.calls.iter().map(|c| c.id).collect();
+        assert_eq!(ids, [call.id]);
+        let called_from = part::Entity::find_by_id(call.part_id)
+            .one(store.db())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(begun.message_id, called_from.message_id);
+        assert_eq!(
+            statements, 6,
+            "the claim, the run's streaming parts, its reply message, the step's calls, \
+             their step's text, the append"
+        );
         std::fs::remove_dir_all(dir).ok();
     }
 

@@ -5,16 +5,16 @@
 
 use sea_orm::ActiveValue::Set;
 use sea_orm::sea_query::Expr;
-use sea_orm::{ActiveModelTrait, ColumnTrait, EntityTrait, QueryFilter, QueryOrder};
+use sea_orm::{ActiveModelTrait, ColumnTrait, EntityTrait, QueryFilter};
 use std::sync::Arc;
 
 use uuid::Uuid;
 
 use super::commit::{
     Begun, Ending, Finished, Lease, OpenPart, PartContent, PartText, Writes, abandon_open_parts,
-    abandon_open_parts_with, apply_usage, assistant_message, clear_lease, end_closed, fence,
-    fence_for_end, insert_part, join_steered, next_index, open, open_text_part, part_event,
-    record_in, save_parts, save_parts_with_append, start, step_events, utf16_len,
+    abandon_open_parts_with, apply_usage, clear_lease, end_closed, fence, fence_for_end,
+    insert_part, join_steered, next_index, open, open_text_part, part_event, record_in, save_parts,
+    save_parts_with_append, start, step_events, utf16_len,
 };
 use super::entities::{part, run, summary};
 use super::{Error, Result, Store};
@@ -29,10 +29,10 @@ use crate::domain::{PartKind, PartState};
 pub async fn begin(store: &Store, lease: &Lease) -> Result<Begun> {
     let (mut tx, conversation, row) = open(store, lease).await?;
     let (mut events, mut writes) = (Vec::new(), Writes::default());
-    let (message_id, part) = start(&tx, &mut writes, &row, &mut events).await?;
+    let started = start(&tx, &mut writes, &row, &mut events).await?;
     tx.append_after(writes, &conversation, events).await?;
     let committed = store.commit(tx).await?;
-    Ok(Begun::new(row, message_id, part, &committed))
+    Ok(Begun::new(row, started, &committed))
 }
 
 /// The step's end when it asked for tools and every call has its result:
@@ -41,10 +41,12 @@ pub async fn begin(store: &Store, lease: &Lease) -> Result<Begun> {
 /// (`run.steered`, and the reply goes on in a new message after them), and
 /// the next step's text part opens. `finished`, the result of the batch's
 /// last call, is recorded first in the same commit (a one-call batch's
-/// result needs no commit of its own).
+/// result needs no commit of its own). `message_id` is the message the step
+/// wrote into.
 pub async fn end_step(
     store: &Store,
     lease: &Lease,
+    message_id: Uuid,
     usage: Usage,
     finished: Option<&Finished>,
 ) -> Result<(OpenPart, Cursor)> {
@@ -55,10 +57,9 @@ pub async fn end_step(
     };
     events.extend(step_events(&row, usage, true));
     let mut writes = Writes::default();
-    let message_id = match join_steered(&tx, &mut writes, &row, &mut events).await? {
-        Some(steered) => steered,
-        None => assistant_message(&tx, &row).await?,
-    };
+    // The next step's text part: first in the message after the steered
+    // ones, else after the step's last part.
+    let steered = join_steered(&tx, &mut writes, &row, &mut events).await?;
     let mut active: run::ActiveModel = row.clone().into();
     active.steps = Set(row.steps + 1);
     active.attempt = Set(1);
@@ -66,24 +67,14 @@ pub async fn end_step(
     active.output_tokens = Set(usage.output_tokens);
     active.cost_usd = Set(usage.cost_usd);
     let row = active.update(&*tx).await?;
-    let index = next_index(&tx, message_id).await?;
+    let (message_id, index) = match steered {
+        Some(steered) => (steered, 0),
+        None => (message_id, next_index(&tx, message_id).await?),
+    };
     let opened = open_text_part(&tx, &mut writes, &row, message_id, index, &mut events)?;
     tx.append_after(writes, &conversation, events).await?;
     let committed = store.commit(tx).await?;
     Ok((opened, committed.last().map_or(Cursor::START, |e| e.cursor)))
-}
-
-/// The text a run's step committed (its kept text parts, in order).
-pub async fn step_text(store: &Store, run_id: Uuid, step: i32) -> Result<String> {
-    let parts = part::Entity::find()
-        .filter(part::Column::RunId.eq(run_id))
-        .filter(part::Column::Step.eq(step))
-        .filter(part::Column::Kind.eq(PartKind::Text.as_str()))
-        .filter(part::Column::Abandoned.eq(false))
-        .order_by_asc(part::Column::Idx)
-        .all(store.db())
-        .await?;
-    Ok(parts.into_iter().filter_map(|p| p.text).collect())
 }
 
 /// Persists the streamed text of these parts so far, each with
@@ -369,9 +360,21 @@ mod tests {
             },
             max_inline_bytes: 16384,
         };
-        let (_, cursor) = end_step(&store, &lease, Usage::default(), Some(&finished))
+        let message_id = part::Entity::find_by_id(call.part_id)
+            .one(store.db())
             .await
-            .unwrap();
+            .unwrap()
+            .unwrap()
+            .message_id;
+        let (_, cursor) = end_step(
+            &store,
+            &lease,
+            message_id,
+            Usage::default(),
+            Some(&finished),
+        )
+        .await
+        .unwrap();
         assert_eq!(store.write_transactions(), writes + 1, "one commit");
         let call = tool_call::Entity::find_by_id(call.id)
             .one(store.db())

@@ -6,9 +6,7 @@
 //! has one is never asked for again.
 
 use sea_orm::ActiveValue::Set;
-use sea_orm::{
-    ActiveModelTrait, ColumnTrait, ConnectionTrait, EntityTrait, QueryFilter, QueryOrder,
-};
+use sea_orm::{ActiveModelTrait, EntityTrait};
 use serde_json::{Value, json};
 use uuid::Uuid;
 
@@ -136,25 +134,11 @@ pub async fn request(
             events,
         )
         .await?;
-        stored = of_step(&*tx, lease.run_id, stored.first().map_or(0, |c| c.step)).await?;
+        stored = commit::of_step(&*tx, lease.run_id, stored.first().map_or(0, |c| c.step)).await?;
     }
     tx.append(&conversation, events).await?;
     let committed = store.commit(tx).await?;
     Ok((stored, committed.last().map_or(Cursor::START, |e| e.cursor)))
-}
-
-/// The calls of a run's step, in batch order.
-pub async fn of_step<C: ConnectionTrait>(
-    db: &C,
-    run_id: Uuid,
-    step: i32,
-) -> Result<Vec<tool_call::Model>> {
-    Ok(tool_call::Entity::find()
-        .filter(tool_call::Column::RunId.eq(run_id))
-        .filter(tool_call::Column::Step.eq(step))
-        .order_by_asc(tool_call::Column::Idx)
-        .all(db)
-        .await?)
 }
 
 /// Applies `input` to one call of the held run inside the fenced

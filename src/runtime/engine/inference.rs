@@ -113,7 +113,8 @@ pub(super) struct Attempt {
     base: Usage,
     /// Which attempt of this step's model request this is, from 1.
     pub(super) request_attempt: i32,
-    message_id: uuid::Uuid,
+    /// The message this step writes into.
+    pub(super) message_id: uuid::Uuid,
     pub(super) parts: Vec<Streaming>,
     /// What the model said in this step in parts already closed (a step
     /// that asked for tools), for `content_match`.

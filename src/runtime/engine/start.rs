@@ -19,7 +19,6 @@ use crate::runtime::history::Histories;
 use crate::store::commit::{Begun, Lease};
 use crate::store::queue;
 use crate::store::runs;
-use crate::store::tool_calls;
 use crate::store::{self, Store};
 use crate::telemetry;
 use crate::tools::registry::Registry;
@@ -145,10 +144,9 @@ async fn drive(
     let mut step = run.steps;
     // A batch of tool calls that an earlier claim left unfinished is
     // finished, from its committed facts, before the model hears anything.
-    if begun.part.is_none() {
-        attempt.said = runs::step_text(store, run.id, step).await?;
-        let calls = tool_calls::of_step(store.db(), run.id, step).await?;
-        match steps.finish_batch(&calls, step, attempt).await? {
+    if let Some(batch) = &begun.batch {
+        attempt.said = batch.said.clone();
+        match steps.finish_batch(&batch.calls, step, attempt).await? {
             Next::Step(next) => attempt = next,
             Next::Over => return Ok(()),
         }

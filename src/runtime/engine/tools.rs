@@ -17,7 +17,7 @@ use crate::store::entities::tool_call;
 use crate::store::interactions;
 use crate::store::runs;
 use crate::store::tool_calls::{self, NewToolCall, Verdict};
-use crate::store::{self, reads};
+use crate::store::{self, commit, reads};
 
 /// The built-in tool that asks a person questions.
 const ASK_QUESTIONS: &str = BUILTIN_TOOLS[0];
@@ -162,7 +162,7 @@ impl Steps<'_> {
                 }
                 Err(err) => return Err(err),
             }
-            calls = tool_calls::of_step(store.db(), self.run.id, step).await?;
+            calls = commit::of_step(store.db(), self.run.id, step).await?;
         };
         // The batch's only call handed its result back for the step's end to
         // commit; anything but a plain step end commits it first, alone.
@@ -232,10 +232,11 @@ impl Steps<'_> {
         }
         let finished = held.take();
         let recorded = finished.is_some();
+        let message_id = attempt.message_id;
         let (part, cursor) = runner
-            .whole(
-                move |s, l| async move { runs::end_step(&s, &l, usage, finished.as_ref()).await },
-            )
+            .whole(move |s, l| async move {
+                runs::end_step(&s, &l, message_id, usage, finished.as_ref()).await
+            })
             .await?;
         if recorded {
             failpoints::hit("after_tool_committed");

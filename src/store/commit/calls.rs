@@ -2,7 +2,10 @@
 //! against the call's state machine and announced with its events.
 
 use sea_orm::ActiveValue::Set;
-use sea_orm::{ActiveModelTrait, ColumnTrait, EntityTrait, QueryFilter, QueryOrder, QuerySelect};
+use sea_orm::{
+    ActiveModelTrait, ColumnTrait, ConnectionTrait, EntityTrait, QueryFilter, QueryOrder,
+    QuerySelect,
+};
 use serde_json::Value;
 use uuid::Uuid;
 
@@ -16,6 +19,20 @@ use crate::domain::tool_call::{
 };
 use crate::store::entities::{run, tool_call};
 use crate::store::{Error, Result, parse_stored};
+
+/// The calls of a run's step, in batch order.
+pub async fn of_step<C: ConnectionTrait>(
+    db: &C,
+    run_id: Uuid,
+    step: i32,
+) -> Result<Vec<tool_call::Model>> {
+    Ok(tool_call::Entity::find()
+        .filter(tool_call::Column::RunId.eq(run_id))
+        .filter(tool_call::Column::Step.eq(step))
+        .order_by_asc(tool_call::Column::Idx)
+        .all(db)
+        .await?)
+}
 
 pub fn state_of(call: &tool_call::Model) -> Result<ToolCallState> {
     Ok(ToolCallState {

@@ -20,7 +20,7 @@ mod steer;
 
 pub use audit::OperatorAction;
 pub(in crate::store) use audit::record as record_operator_action;
-pub use calls::{Finished, Outcome, state_of};
+pub use calls::{Finished, Outcome, of_step, state_of};
 pub(in crate::store) use calls::{change_in, change_through_in, record_in, set_output, tool_event};
 pub use end::Ending;
 pub(in crate::store) use end::{
@@ -36,8 +36,8 @@ pub(in crate::store) use parts::{
 pub(in crate::store) use pending::{
     cancel_where, close_pending, interaction_event, kind_of, resolving_event,
 };
-pub use start::Begun;
-pub(in crate::store) use start::{open_text_part, start};
+pub use start::{Begun, StepBatch};
+pub(in crate::store) use start::{Started, open_text_part, start};
 pub use steer::PENDING_POS;
 pub(in crate::store) use steer::{NewRun, join as join_steered, queued_run, wait_for_boundary};
 

@@ -105,6 +105,23 @@ pub(in crate::store) async fn reply_message(
         .map(|m| m.id))
 }
 
+/// The text a run's step committed (its kept text parts, in order).
+pub(in crate::store) async fn step_text<C: ConnectionTrait>(
+    db: &C,
+    run_id: Uuid,
+    step: i32,
+) -> Result<String> {
+    let parts = part::Entity::find()
+        .filter(part::Column::RunId.eq(run_id))
+        .filter(part::Column::Step.eq(step))
+        .filter(part::Column::Kind.eq(PartKind::Text.as_str()))
+        .filter(part::Column::Abandoned.eq(false))
+        .order_by_asc(part::Column::Idx)
+        .all(db)
+        .await?;
+    Ok(parts.into_iter().filter_map(|p| p.text).collect())
+}
+
 /// Writes the parts' texts in `state`, returning their `part.updated`.
 pub(in crate::store) async fn save_parts(
     tx: &WriteTx,

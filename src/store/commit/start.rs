@@ -5,10 +5,11 @@
 use sea_orm::ActiveValue::Set;
 use uuid::Uuid;
 
-use sea_orm::{ColumnTrait, EntityTrait, QueryFilter};
-
+use super::calls::of_step;
 use super::end::abandon_open_parts;
-use super::parts::{OpenPart, PartContent, new_part, next_index, part_event, reply_message};
+use super::parts::{
+    OpenPart, PartContent, new_part, next_index, part_event, reply_message, step_text,
+};
 use super::steer;
 use super::{WriteTx, Writes};
 use crate::domain::cursor::Cursor;
@@ -28,8 +29,21 @@ pub struct Begun {
     /// The text part the next inference streams into; none while a batch of
     /// tool calls from an earlier claim is still to be finished.
     pub part: Option<OpenPart>,
+    /// That batch, read with the claim: present exactly when `part` is not.
+    pub batch: Option<StepBatch>,
     /// The newest persisted cursor, for live deltas that follow it.
     pub cursor: Cursor,
+}
+
+/// The tool calls of a run's current step that an earlier claim left
+/// unfinished (a call that waited for an approval, a worker cut off in the
+/// middle of a batch), with what the step had said before them.
+#[derive(Debug, Clone)]
+pub struct StepBatch {
+    /// The step's kept text parts, in order.
+    pub said: String,
+    /// The step's calls, in batch order.
+    pub calls: Vec<tool_call::Model>,
 }
 
 /// Makes a message for the run's reply at `pos` among the run's messages,
@@ -107,7 +121,7 @@ pub(in crate::store) async fn start(
     writes: &mut Writes,
     row: &run::Model,
     events: &mut Vec<NewEvent>,
-) -> Result<(Uuid, Option<OpenPart>)> {
+) -> Result<Started> {
     // A run's first claim has epoch 1 (every claim and every release adds
     // one): it has no message and no parts yet, so there is nothing to look
     // up or recover.
@@ -120,38 +134,48 @@ pub(in crate::store) async fn start(
         };
         let part = open_text_part(tx, writes, row, message_id, 0, events)?;
         events.extend(NewEvent::run_status(row.id, RunStatus::Running));
-        return Ok((message_id, Some(part)));
+        return Ok(Started::Infer(message_id, part));
     }
     events.extend(abandon_open_parts(tx, row.id).await?);
     let existing = reply_message(tx, row).await?;
     // A batch of tool calls in the current step: the step is finished
     // before the model is asked anything, so no text part yet.
-    let batch_pending = tool_call::Entity::find()
-        .filter(tool_call::Column::RunId.eq(row.id))
-        .filter(tool_call::Column::Step.eq(row.steps))
-        .one(&**tx)
-        .await?
-        .is_some();
-    let steered = if batch_pending {
-        None
-    } else {
+    let calls = of_step(&**tx, row.id, row.steps).await?;
+    let steered = if calls.is_empty() {
         steer::join(tx, writes, row, events).await?
+    } else {
+        None
     };
-    let (message_id, index) = match (steered, existing) {
-        (Some(steered), _) => (steered, 0),
-        (None, Some(existing)) => (existing, next_index(tx, existing).await?),
+    // The new text part's place: first in a message made now, else after
+    // the reply's last part.
+    let (message_id, first) = match (steered, existing) {
+        (Some(steered), _) => (steered, true),
+        (None, Some(existing)) => (existing, false),
         (None, None) => {
             let pos = steer::next_pos(tx, row.id).await?;
-            (assistant_message_new(tx, writes, row, pos, events), 0)
+            (assistant_message_new(tx, writes, row, pos, events), true)
         }
     };
-    let part = if batch_pending {
-        None
+    let started = if calls.is_empty() {
+        let index = match first {
+            true => 0,
+            false => next_index(tx, message_id).await?,
+        };
+        let part = open_text_part(tx, writes, row, message_id, index, events)?;
+        Started::Infer(message_id, part)
     } else {
-        Some(open_text_part(tx, writes, row, message_id, index, events)?)
+        let said = step_text(&**tx, row.id, row.steps).await?;
+        Started::Batch(message_id, StepBatch { said, calls })
     };
     events.extend(NewEvent::run_status(row.id, RunStatus::Running));
-    Ok((message_id, part))
+    Ok(started)
+}
+
+/// What `start` began: the message the next step writes into, and that
+/// step: an inference into a new text part, or a batch to finish.
+pub(in crate::store) enum Started {
+    Infer(Uuid, OpenPart),
+    Batch(Uuid, StepBatch),
 }
 
 impl Begun {
@@ -159,8 +183,7 @@ impl Begun {
     /// (the cursor is the run's conversation's newest among them).
     pub(in crate::store) fn new(
         run: run::Model,
-        message_id: Uuid,
-        part: Option<OpenPart>,
+        started: Started,
         committed: &[crate::domain::event::Event],
     ) -> Begun {
         let cursor = committed
@@ -168,10 +191,15 @@ impl Begun {
             .rev()
             .find(|e| e.conversation_id == run.conversation_id)
             .map_or(Cursor::START, |e| e.cursor);
+        let (message_id, part, batch) = match started {
+            Started::Infer(message_id, part) => (message_id, Some(part), None),
+            Started::Batch(message_id, batch) => (message_id, None, Some(batch)),
+        };
         Begun {
             run,
             message_id,
             part,
+            batch,
             cursor,
         }
     }
