@@ -627,7 +627,7 @@ pub(crate) mod test_support {
         let lease = commit::Lease::of(&claimed[0]);
         let begun = runs::begin(store, &lease).await.unwrap();
         let parts: Vec<commit::PartText> = begun
-            .part
+            .part()
             .into_iter()
             .map(|part| commit::PartText {
                 part,

@@ -101,8 +101,8 @@ async fn claim_and_start(
     Ok(claimed
         .into_iter()
         .zip(started)
-        .map(|(run, started)| Claimed {
-            begun: Some(Begun::new(run.clone(), started, &committed)),
+        .map(|(run, (message_id, first))| Claimed {
+            begun: Some(Begun::new(run.clone(), message_id, first, &committed)),
             run,
         })
         .collect())
@@ -114,7 +114,7 @@ async fn start_claimed(
     owner: &str,
     lease_ms: i64,
     limit: usize,
-) -> Result<(Vec<run::Model>, Vec<commit::Started>)> {
+) -> Result<(Vec<run::Model>, Vec<(Uuid, commit::FirstStep)>)> {
     let claimed = claim_in(&**tx, owner, lease_ms, limit, Locks::RunsAndConversations).await?;
     let mut started = Vec::with_capacity(claimed.len());
     for row in &claimed {
@@ -649,7 +649,7 @@ mod tests {
             ]
         );
         assert_eq!(begun.cursor, log.last().unwrap().cursor);
-        assert!(begun.part.is_some());
+        assert!(begun.part().is_some());
         // A run claimed again is started with its claim too, in its one
         // assistant message.
         let lease = Lease::of(run);
@@ -668,7 +668,7 @@ mod tests {
         };
         assert_eq!(resumed.message_id, begun.message_id);
         assert_eq!(resumed.run.lease_epoch, 3);
-        assert!(resumed.part.is_some());
+        assert!(resumed.part().is_some());
         std::fs::remove_dir_all(dir).ok();
     }
 
@@ -696,8 +696,9 @@ mod tests {
         };
         // No text part while the batch is unfinished: the batch comes with
         // the claim, and the worker reads nothing more before it runs it.
-        assert!(begun.part.is_none());
-        let batch = begun.batch.as_ref().expect("the step's batch");
+        let commit::FirstStep::FinishBatch(batch) = &begun.first else {
+            panic!("the step's batch: {begun:?}");
+        };
         assert_eq!(batch.said, "ok");
         let ids: Vec<_> = batch.calls.iter().map(|c| c.id).collect();
         assert_eq!(ids, [call.id]);

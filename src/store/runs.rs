@@ -29,10 +29,10 @@ use crate::domain::{PartKind, PartState};
 pub async fn begin(store: &Store, lease: &Lease) -> Result<Begun> {
     let (mut tx, conversation, row) = open(store, lease).await?;
     let (mut events, mut writes) = (Vec::new(), Writes::default());
-    let started = start(&tx, &mut writes, &row, &mut events).await?;
+    let (message_id, first) = start(&tx, &mut writes, &row, &mut events).await?;
     tx.append_after(writes, &conversation, events).await?;
     let committed = store.commit(tx).await?;
-    Ok(Begun::new(row, started, &committed))
+    Ok(Begun::new(row, message_id, first, &committed))
 }
 
 /// The step's end when it asked for tools and every call has its result:

@@ -74,7 +74,7 @@ fn engine(store: &Store, config: Arc<FileConfig>, id: &str) -> Runtime {
 /// The begun text part with `text` in it.
 fn texts(begun: &Begun, text: &str) -> Vec<PartText> {
     vec![PartText {
-        part: begun.part.expect("a first claim opens a text part"),
+        part: begun.part().expect("a first claim opens a text part"),
         text: text.to_owned(),
         data: None,
     }]
@@ -259,7 +259,7 @@ async fn a_worker_whose_lease_was_taken_over_commits_nothing() {
     .await
     .unwrap();
     assert_eq!(events_before, events_after);
-    let part_a = reads::part(store.db(), "acme", begun_a.part.unwrap().id)
+    let part_a = reads::part(store.db(), "acme", begun_a.part().unwrap().id)
         .await
         .unwrap()
         .unwrap();
@@ -419,7 +419,7 @@ async fn a_claim_starts_its_runs_in_the_same_commit() {
     assert_eq!(taken[0].run.id, queued.id);
     assert_eq!(taken[0].run.status, "RUNNING");
     let begun = taken[0].begun.as_ref().expect("started with the claim");
-    assert!(begun.part.is_some(), "its text part is open");
+    assert!(begun.part().is_some(), "its text part is open");
     let events = reads::events_after(store.db(), "acme", conversation_id, Default::default(), 100)
         .await
         .unwrap();
@@ -571,7 +571,7 @@ async fn a_run_s_last_commit_asks_what_is_open_with_its_fence() {
         .await
         .unwrap();
     assert_eq!(events.last().unwrap().kind, EventKind::RunCompleted);
-    let part = begun.part.unwrap();
+    let part = begun.part().unwrap();
     let saved = tether::store::entities::part::Entity::find_by_id(part.id)
         .one(store.db())
         .await

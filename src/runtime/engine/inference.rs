@@ -199,7 +199,7 @@ impl Attempt {
             request_attempt: begun.run.attempt.max(1),
             message_id: begun.message_id,
             parts: begun
-                .part
+                .part()
                 .into_iter()
                 .map(|p| Streaming::new(p, 0))
                 .collect(),

@@ -16,7 +16,7 @@ use crate::domain::time::secs_to_millis;
 use crate::failpoints;
 use crate::providers;
 use crate::runtime::history::Histories;
-use crate::store::commit::{Begun, Lease};
+use crate::store::commit::{Begun, FirstStep, Lease};
 use crate::store::queue;
 use crate::store::runs;
 use crate::store::{self, Store};
@@ -144,7 +144,7 @@ async fn drive(
     let mut step = run.steps;
     // A batch of tool calls that an earlier claim left unfinished is
     // finished, from its committed facts, before the model hears anything.
-    if let Some(batch) = &begun.batch {
+    if let FirstStep::FinishBatch(batch) = &begun.first {
         attempt.said = batch.said.clone();
         match steps.finish_batch(&batch.calls, step, attempt).await? {
             Next::Step(next) => attempt = next,

@@ -36,8 +36,8 @@ pub(in crate::store) use parts::{
 pub(in crate::store) use pending::{
     cancel_where, close_pending, interaction_event, kind_of, resolving_event,
 };
-pub use start::{Begun, StepBatch};
-pub(in crate::store) use start::{Started, open_text_part, start};
+pub use start::{Begun, FirstStep, StepBatch};
+pub(in crate::store) use start::{open_text_part, start};
 pub use steer::PENDING_POS;
 pub(in crate::store) use steer::{NewRun, join as join_steered, queued_run, wait_for_boundary};
 
@@ -435,9 +435,9 @@ type EventRow<'k> = (Option<Uuid>, &'k str, serde_json::Value);
 /// `writes`, then `append`'s rows, on PostgreSQL, in one statement (one
 /// round trip): each write a data-modifying `WITH` query of its own (they
 /// insert or update rows nothing else in the statement reads or writes,
-/// and the foreign keys between them are checked at its end), the conversation's sequence moved on, the
-/// rows numbered from its new last number, which it returns, and the
-/// `notices` sent (delivered on commit). No row is returned when there is
+/// and the foreign keys between them are checked at its end), the
+/// conversation's sequence moved on, the rows numbered from its new last
+/// number, which it returns, and the `notices` sent (delivered on commit). No row is returned when there is
 /// no such conversation, and the caller's transaction then fails.
 async fn append_postgres(
     tx: &DatabaseTransaction,

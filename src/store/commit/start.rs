@@ -26,13 +26,20 @@ pub struct Begun {
     pub run: run::Model,
     /// The run's assistant message, which all its steps write into.
     pub message_id: Uuid,
-    /// The text part the next inference streams into; none while a batch of
-    /// tool calls from an earlier claim is still to be finished.
-    pub part: Option<OpenPart>,
-    /// That batch, read with the claim: present exactly when `part` is not.
-    pub batch: Option<StepBatch>,
+    /// What the run does first.
+    pub first: FirstStep,
     /// The newest persisted cursor, for live deltas that follow it.
     pub cursor: Cursor,
+}
+
+/// What a claimed run does first.
+#[derive(Debug, Clone)]
+pub enum FirstStep {
+    /// An inference, streaming into this text part.
+    Infer(OpenPart),
+    /// Finish a batch of tool calls an earlier claim left unfinished (read
+    /// with the claim), before the model is asked anything.
+    FinishBatch(StepBatch),
 }
 
 /// The tool calls of a run's current step that an earlier claim left
@@ -121,7 +128,7 @@ pub(in crate::store) async fn start(
     writes: &mut Writes,
     row: &run::Model,
     events: &mut Vec<NewEvent>,
-) -> Result<Started> {
+) -> Result<(Uuid, FirstStep)> {
     // A run's first claim has epoch 1 (every claim and every release adds
     // one): it has no message and no parts yet, so there is nothing to look
     // up or recover.
@@ -134,7 +141,7 @@ pub(in crate::store) async fn start(
         };
         let part = open_text_part(tx, writes, row, message_id, 0, events)?;
         events.extend(NewEvent::run_status(row.id, RunStatus::Running));
-        return Ok(Started::Infer(message_id, part));
+        return Ok((message_id, FirstStep::Infer(part)));
     }
     events.extend(abandon_open_parts(tx, row.id).await?);
     let existing = reply_message(tx, row).await?;
@@ -148,7 +155,7 @@ pub(in crate::store) async fn start(
     };
     // The new text part's place: first in a message made now, else after
     // the reply's last part.
-    let (message_id, first) = match (steered, existing) {
+    let (message_id, new_message) = match (steered, existing) {
         (Some(steered), _) => (steered, true),
         (None, Some(existing)) => (existing, false),
         (None, None) => {
@@ -156,26 +163,19 @@ pub(in crate::store) async fn start(
             (assistant_message_new(tx, writes, row, pos, events), true)
         }
     };
-    let started = if calls.is_empty() {
-        let index = match first {
+    let first = if calls.is_empty() {
+        let index = match new_message {
             true => 0,
             false => next_index(tx, message_id).await?,
         };
         let part = open_text_part(tx, writes, row, message_id, index, events)?;
-        Started::Infer(message_id, part)
+        FirstStep::Infer(part)
     } else {
         let said = step_text(&**tx, row.id, row.steps).await?;
-        Started::Batch(message_id, StepBatch { said, calls })
+        FirstStep::FinishBatch(StepBatch { said, calls })
     };
     events.extend(NewEvent::run_status(row.id, RunStatus::Running));
-    Ok(started)
-}
-
-/// What `start` began: the message the next step writes into, and that
-/// step: an inference into a new text part, or a batch to finish.
-pub(in crate::store) enum Started {
-    Infer(Uuid, OpenPart),
-    Batch(Uuid, StepBatch),
+    Ok((message_id, first))
 }
 
 impl Begun {
@@ -183,7 +183,8 @@ impl Begun {
     /// (the cursor is the run's conversation's newest among them).
     pub(in crate::store) fn new(
         run: run::Model,
-        started: Started,
+        message_id: Uuid,
+        first: FirstStep,
         committed: &[crate::domain::event::Event],
     ) -> Begun {
         let cursor = committed
@@ -191,16 +192,20 @@ impl Begun {
             .rev()
             .find(|e| e.conversation_id == run.conversation_id)
             .map_or(Cursor::START, |e| e.cursor);
-        let (message_id, part, batch) = match started {
-            Started::Infer(message_id, part) => (message_id, Some(part), None),
-            Started::Batch(message_id, batch) => (message_id, None, Some(batch)),
-        };
         Begun {
             run,
             message_id,
-            part,
-            batch,
+            first,
             cursor,
+        }
+    }
+
+    /// The text part the first inference streams into; none while a batch
+    /// is still to be finished.
+    pub fn part(&self) -> Option<OpenPart> {
+        match &self.first {
+            FirstStep::Infer(part) => Some(*part),
+            FirstStep::FinishBatch(_) => None,
         }
     }
 }
