@@ -222,6 +222,21 @@ pub struct ApiConfig {
     pub max_query_complexity: usize,
     /// Aliased fields one request may hold, fragments counted where spread.
     pub max_aliases: usize,
+    /// Longest GraphQL document (the `query` text), in bytes.
+    pub max_document_bytes: usize,
+    /// Brackets open at once in a document's text, and selection sets
+    /// nested once its fragments are expanded (fragments count a level).
+    pub max_document_nesting: usize,
+    /// Fragment definitions in one document.
+    pub max_fragments: usize,
+    /// Spreads (`...`) written in one document.
+    pub max_spreads: usize,
+    /// Selections (fields, spreads, inline fragments) one document may
+    /// expand to, fragments counted wherever they are spread.
+    pub max_query_nodes: usize,
+    /// How long a long document (over 8 KiB) may wait for its turn to be
+    /// parsed or validated before it is refused. One at a time is.
+    pub admission_budget_ms: u64,
     /// How long a query may run before it is answered with `TIMEOUT`.
     pub request_timeout_secs: f64,
     /// Connections of the pool the API reads through, apart from the
@@ -275,6 +290,12 @@ impl Default for ApiConfig {
             max_query_depth: 16,
             max_query_complexity: 50_000,
             max_aliases: 50,
+            max_document_bytes: 256 * 1024,
+            max_document_nesting: 32,
+            max_fragments: 500,
+            max_spreads: 5_000,
+            max_query_nodes: 50_000,
+            admission_budget_ms: 2_000,
             request_timeout_secs: 30.0,
             read_connections: 8,
             max_full_output_bytes: 1024 * 1024,
@@ -1000,6 +1021,22 @@ impl FileConfig {
             3_600,
         )?;
         at_least("api.max_aliases", api.max_aliases, 1)?;
+        at_least("api.max_document_bytes", api.max_document_bytes, 1024)?;
+        between(
+            "api.max_document_nesting",
+            api.max_document_nesting,
+            api.max_query_depth,
+            1_000,
+        )?;
+        at_least("api.max_fragments", api.max_fragments, 1)?;
+        at_least("api.max_spreads", api.max_spreads, 1)?;
+        at_least("api.max_query_nodes", api.max_query_nodes, 10)?;
+        between(
+            "api.admission_budget_ms",
+            api.admission_budget_ms,
+            1,
+            600_000,
+        )?;
         positive("api.request_timeout_secs", api.request_timeout_secs)?;
         at_most(
             "api.request_timeout_secs",

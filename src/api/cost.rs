@@ -1,7 +1,7 @@
 //! What a request may cost: list fields counted once per item they may
-//! return, a cap on aliases, and a time limit on queries.
+//! return, and a time limit on queries. What its document may be (its
+//! length, nesting, fragments and aliases) is `api::admission`'s.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -9,10 +9,8 @@ use std::time::Duration;
 use async_graphql::extensions::{
     Extension, ExtensionContext, ExtensionFactory, NextExecute, NextParseQuery,
 };
-use async_graphql::parser::types::{ExecutableDocument, OperationType, Selection, SelectionSet};
-use async_graphql::{Name, Response, ServerError, ServerResult, Variables};
-
-use super::error::bad_request;
+use async_graphql::parser::types::{ExecutableDocument, OperationType};
+use async_graphql::{Response, ServerError, ServerResult, Variables};
 
 /// What the complexity count assumes for lists with no argument that bounds
 /// them: a message's parts and a run's tool calls.
@@ -60,20 +58,14 @@ pub fn capped(text: &str, cap: usize) -> String {
     )
 }
 
-/// Refuses documents with too many aliases (or too many fields once
-/// fragments are expanded) before they are validated, and answers queries
-/// that run past the time limit with a `TIMEOUT` error.
+/// Answers queries that run past the time limit with a `TIMEOUT` error.
 pub struct QueryCost {
-    pub max_aliases: usize,
-    pub max_fields: usize,
     pub timeout: Duration,
 }
 
 impl ExtensionFactory for QueryCost {
     fn create(&self) -> Arc<dyn Extension> {
         Arc::new(RequestCost {
-            max_aliases: self.max_aliases,
-            max_fields: self.max_fields,
             timeout: self.timeout,
             only_queries: AtomicBool::new(false),
         })
@@ -81,8 +73,6 @@ impl ExtensionFactory for QueryCost {
 }
 
 struct RequestCost {
-    max_aliases: usize,
-    max_fields: usize,
     timeout: Duration,
     /// Whether the document holds queries only. Mutations are not cut off:
     /// one that committed must not be answered as if it had not.
@@ -99,19 +89,6 @@ impl Extension for RequestCost {
         next: NextParseQuery<'_>,
     ) -> ServerResult<ExecutableDocument> {
         let document = next.run(ctx, query, variables).await?;
-        let size = DocumentSize::of(&document);
-        if size.aliases > self.max_aliases {
-            return Err(bad_request(format!(
-                "the query uses more than {} aliases",
-                self.max_aliases
-            )));
-        }
-        if size.fields > self.max_fields {
-            return Err(bad_request(format!(
-                "the query selects more than {} fields once its fragments are expanded",
-                self.max_fields
-            )));
-        }
         let only_queries = document
             .operations
             .iter()
@@ -150,77 +127,6 @@ fn timed_out(limit: Duration) -> ServerError {
     err
 }
 
-/// Aliases and fields of a document as it executes, each fragment counted
-/// wherever it is spread. Counts saturate, so a fragment that doubles at
-/// every level is refused rather than counted for ever.
-#[derive(Clone, Copy, Default)]
-struct DocumentSize {
-    aliases: usize,
-    fields: usize,
-}
-
-impl DocumentSize {
-    fn of(document: &ExecutableDocument) -> DocumentSize {
-        let mut walk = Walk {
-            document,
-            fragments: HashMap::new(),
-        };
-        document
-            .operations
-            .iter()
-            .map(|(_, op)| walk.selections(&op.node.selection_set.node))
-            .fold(DocumentSize::default(), DocumentSize::plus)
-    }
-
-    fn plus(self, other: DocumentSize) -> DocumentSize {
-        DocumentSize {
-            aliases: self.aliases.saturating_add(other.aliases),
-            fields: self.fields.saturating_add(other.fields),
-        }
-    }
-}
-
-struct Walk<'a> {
-    document: &'a ExecutableDocument,
-    /// Each fragment's size once known; `None` while it is being walked, so
-    /// a cycle (which validation refuses later) counts nothing.
-    fragments: HashMap<&'a Name, Option<DocumentSize>>,
-}
-
-impl<'a> Walk<'a> {
-    fn selections(&mut self, set: &'a SelectionSet) -> DocumentSize {
-        let mut size = DocumentSize::default();
-        for item in &set.items {
-            let inner = match &item.node {
-                Selection::Field(field) => DocumentSize {
-                    aliases: usize::from(field.node.alias.is_some()),
-                    fields: 1,
-                }
-                .plus(self.selections(&field.node.selection_set.node)),
-                Selection::InlineFragment(fragment) => {
-                    self.selections(&fragment.node.selection_set.node)
-                }
-                Selection::FragmentSpread(spread) => self.fragment(&spread.node.fragment_name.node),
-            };
-            size = size.plus(inner);
-        }
-        size
-    }
-
-    fn fragment(&mut self, name: &'a Name) -> DocumentSize {
-        if let Some(known) = self.fragments.get(name) {
-            return known.unwrap_or_default();
-        }
-        let Some(definition) = self.document.fragments.get(name) else {
-            return DocumentSize::default();
-        };
-        self.fragments.insert(name, None);
-        let size = self.selections(&definition.node.selection_set.node);
-        self.fragments.insert(name, Some(size));
-        size
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use async_graphql::{EmptyMutation, EmptySubscription, Object, Schema};
@@ -243,11 +149,7 @@ mod tests {
 
     fn schema(timeout: Duration) -> Schema<Slow, EmptyMutation, EmptySubscription> {
         Schema::build(Slow, EmptyMutation, EmptySubscription)
-            .extension(QueryCost {
-                max_aliases: 3,
-                max_fields: 50,
-                timeout,
-            })
+            .extension(QueryCost { timeout })
             .finish()
     }
 
@@ -270,32 +172,6 @@ mod tests {
         assert!(response.errors[0].message.contains("limit"));
         let response = schema(Duration::from_secs(30)).execute("{ quick }").await;
         assert!(response.errors.is_empty(), "{:?}", response.errors);
-    }
-
-    #[tokio::test]
-    async fn aliases_are_counted_where_fragments_are_spread() {
-        let schema = schema(Duration::from_secs(30));
-        let response = schema.execute("{ a: quick b: quick c: quick }").await;
-        assert!(response.errors.is_empty(), "{:?}", response.errors);
-        let response = schema
-            .execute("{ ...F ...F } fragment F on Slow { a: quick b: quick }")
-            .await;
-        assert_eq!(code(&response).as_deref(), Some("BAD_USER_INPUT"));
-        assert!(response.errors[0].message.contains("aliases"));
-    }
-
-    #[tokio::test]
-    async fn fragments_that_double_at_every_level_are_refused_before_validation() {
-        let mut query = String::from("{ ...F0 } fragment F20 on Slow { quick }");
-        for level in 0..20 {
-            query.push_str(&format!(
-                " fragment F{level} on Slow {{ ...F{next} ...F{next} }}",
-                next = level + 1
-            ));
-        }
-        let response = schema(Duration::from_secs(30)).execute(query).await;
-        assert_eq!(code(&response).as_deref(), Some("BAD_USER_INPUT"));
-        assert!(response.errors[0].message.contains("fields"));
     }
 
     #[test]

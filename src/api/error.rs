@@ -107,7 +107,11 @@ pub type ApiResult<T> = Result<T, ApiError>;
 
 /// A request-level refusal (parse, validation, depth, complexity, size).
 pub fn bad_request(message: impl Into<String>) -> ServerError {
-    let mut err = ServerError::new(message, None);
+    as_bad_request(ServerError::new(message, None))
+}
+
+/// `err`, with the code of a request-level refusal.
+pub fn as_bad_request(mut err: ServerError) -> ServerError {
     err.extensions
         .get_or_insert_with(Default::default)
         .set("code", "BAD_USER_INPUT");

@@ -30,6 +30,7 @@ use tokio::sync::{OnceCell, mpsc};
 use uuid::Uuid;
 
 use super::TetherSchema;
+use super::admission::DocumentAdmission;
 use super::error::ApiResult;
 use super::events::TransportEvent;
 use super::feed::follow;
@@ -76,11 +77,14 @@ pub struct Plan {
 
 /// Whether a subscribe frame's payload is a subscription served here: a
 /// subscription operation whose only selection is one of `FIELDS`. Anything
-/// else (a query, a mutation, a document that does not parse, a root with
-/// fragments or several fields) goes to async-graphql's executor as it is.
-pub fn plan(request: Request) -> Option<Plan> {
-    let document = async_graphql::parser::parse_query(&request.query).ok()?;
-    let bound = field_variables(&document, request.operation_name.as_deref())?;
+/// else (a query, a mutation, a document admission refuses or does not
+/// admit inline, a root with fragments or several fields) goes to
+/// async-graphql's executor as it is, which admits it again and answers.
+pub fn plan(mut request: Request, admission: &DocumentAdmission) -> Option<Plan> {
+    admission.admit_inline(&mut request)?.ok()?;
+    let operation = request.operation_name.clone();
+    let document = request.parsed_query().ok()?;
+    let bound = field_variables(document, operation.as_deref())?;
     let serde_json::Value::Object(mut unbound) = serde_json::to_value(&request.variables).ok()?
     else {
         return None;
@@ -494,8 +498,16 @@ mod tests {
         serde_json::from_value(payload).expect("a request")
     }
 
+    fn admission() -> Arc<DocumentAdmission> {
+        DocumentAdmission::new(&crate::config::ApiConfig::default())
+    }
+
     fn planned(query: &str, variables: serde_json::Value) -> Plan {
-        plan(request(json!({ "query": query, "variables": variables }))).expect("served here")
+        plan(
+            request(json!({ "query": query, "variables": variables })),
+            &admission(),
+        )
+        .expect("served here")
     }
 
     fn delta(conversation_id: Uuid, offset: i64, text: &str) -> Event {
@@ -652,7 +664,8 @@ mod tests {
 
     #[test]
     fn only_a_lone_event_field_of_a_subscription_is_served_here() {
-        let served = |query: &str| plan(request(json!({ "query": query }))).is_some();
+        let admission = admission();
+        let served = |query: &str| plan(request(json!({ "query": query })), &admission).is_some();
         assert!(served(
             "subscription { runEvents(runId: \"r\") { cursor } }"
         ));
@@ -669,7 +682,16 @@ mod tests {
         assert!(!served(
             "subscription A { runEvents(runId: \"r\") { cursor } } subscription B { runEvents(runId: \"s\") { cursor } }"
         ));
-        assert!(plan(request(json!({ "query": "subscription A { runEvents(runId: \"r\") { cursor } } subscription B { runEvents(runId: \"s\") { cursor } }", "operationName": "B" }))).is_some());
+        assert!(plan(request(json!({ "query": "subscription A { runEvents(runId: \"r\") { cursor } } subscription B { runEvents(runId: \"s\") { cursor } }", "operationName": "B" })), &admission).is_some());
         assert!(!served("subscription { runEvents(runId: "));
+        // Refused by admission, or too long to admit inline: the engine
+        // admits it and answers.
+        let cycle = "subscription { runEvents(runId: \"r\") { ...A } } fragment A on TransportEvent { ...A }";
+        assert!(!served(cycle));
+        let long = format!(
+            "subscription {{ runEvents(runId: \"r\") {{ cursor }} }} #{}",
+            " ".repeat(crate::api::admission::INLINE_BYTES)
+        );
+        assert!(!served(&long));
     }
 }

@@ -121,6 +121,11 @@ pub async fn graphql_get(State(app): State<AppState>, request: Request) -> Respo
         Ok(request) => request,
         Err(_) => return refusal(StatusCode::BAD_REQUEST, "malformed GraphQL query string"),
     };
+    // Admitted before its operation's type is read from it.
+    if let Err(refused) = app.admission.admit(&mut request).await {
+        let response = async_graphql::Response::from_errors(vec![refused.into()]);
+        return answer(response, &parts.headers);
+    }
     if operation_type(&mut request) == Some(OperationType::Mutation) {
         return refusal(
             StatusCode::METHOD_NOT_ALLOWED,
@@ -137,7 +142,11 @@ async fn execute(
     headers: &HeaderMap,
 ) -> Response {
     let request = request.data(viewer);
-    let response = app.schema.execute(request).await;
+    answer(app.schema.execute(request).await, headers)
+}
+
+/// The HTTP answer for a GraphQL response.
+fn answer(response: async_graphql::Response, headers: &HeaderMap) -> Response {
     let modern = headers
         .get(header::ACCEPT)
         .and_then(|v| v.to_str().ok())

@@ -1,5 +1,6 @@
 //! The GraphQL API: schema, authentication, HTTP and WebSocket transports.
 
+pub mod admission;
 pub mod auth;
 pub mod context;
 pub mod cost;
@@ -29,6 +30,7 @@ use axum::routing::get;
 use tower_http::cors::{AllowOrigin, CorsLayer};
 
 use crate::config::{ApiConfig, MetricsConfig};
+use admission::DocumentAdmission;
 use auth::Authenticator;
 use context::{Services, Snapshots};
 use cost::QueryCost;
@@ -67,14 +69,24 @@ pub struct AppState {
     pub auth: Arc<Authenticator>,
     pub limits: Arc<ApiConfig>,
     pub fanout: Arc<fanout::Fanout>,
+    /// Where the transports admit a document before they execute it.
+    pub admission: Arc<DocumentAdmission>,
     /// What every WebSocket's loop uses, in one place for all of them.
     ws: Arc<ws::Shared>,
 }
 
 pub fn schema(services: Services) -> TetherSchema {
+    let admission = DocumentAdmission::new(&services.config.api);
+    admitting_schema(services, &admission)
+}
+
+/// The schema, its documents admitted by `admission` (which the transports
+/// also use where they look at a document before executing it).
+fn admitting_schema(services: Services, admission: &Arc<DocumentAdmission>) -> TetherSchema {
     let limits = &services.config.api;
     let (query, mutation, subscription) = roots();
-    let builder = Schema::build(query, mutation, subscription);
+    // Admitted first: nothing else of the schema sees a document before.
+    let builder = Schema::build(query, mutation, subscription).extension(admission.extension());
     // Without the playground, the schema is not handed out either, and a
     // request that asks for it is told so.
     let builder = if limits.playground {
@@ -87,15 +99,13 @@ pub fn schema(services: Services) -> TetherSchema {
     builder
         .limit_depth(limits.max_query_depth)
         .limit_complexity(limits.max_query_complexity)
+        // The nesting admission already measured; async-graphql's own check
+        // then never refuses what admission let through.
+        .limit_recursive_depth(limits.max_document_nesting)
         .extension(ErrorCodes)
         .extension(EnumLiterals)
         .extension(Snapshots(services.store.clone()))
         .extension(QueryCost {
-            max_aliases: limits.max_aliases,
-            // Validation walks every field of the expanded document; one
-            // with more fields than the complexity limit allows is refused
-            // before that walk.
-            max_fields: limits.max_query_complexity,
             timeout: limits.request_timeout(),
         })
         .data(services.clone())
@@ -150,7 +160,8 @@ pub fn router(services: Services, auth: Authenticator) -> Router {
 
 impl AppState {
     pub fn new(services: Services, auth: Authenticator) -> AppState {
-        let schema = schema(services.clone());
+        let admission = DocumentAdmission::new(&services.config.api);
+        let schema = admitting_schema(services.clone(), &admission);
         let limits = Arc::new(services.config.api.clone());
         let auth = Arc::new(auth);
         let fanout: Arc<fanout::Fanout> = Arc::default();
@@ -160,6 +171,7 @@ impl AppState {
             auth: auth.clone(),
             limits: limits.clone(),
             fanout: fanout.clone(),
+            admission: admission.clone(),
         });
         AppState {
             schema,
@@ -167,6 +179,7 @@ impl AppState {
             services,
             auth,
             fanout,
+            admission,
             ws,
         }
     }

@@ -27,6 +27,7 @@ use tokio_stream::StreamMap;
 use tokio_stream::wrappers::ReceiverStream;
 
 use super::TetherSchema;
+use super::admission::DocumentAdmission;
 use super::auth::{Authenticator, Viewer};
 use super::fanout::{self, Frame, Plan};
 use crate::config::ApiConfig;
@@ -65,6 +66,7 @@ pub struct Shared {
     pub(super) auth: Arc<Authenticator>,
     pub(super) limits: Arc<ApiConfig>,
     pub(super) fanout: Arc<fanout::Fanout>,
+    pub(super) admission: Arc<DocumentAdmission>,
 }
 
 /// The connection's loop, to be spawned as a task of its own.
@@ -131,7 +133,7 @@ async fn converse(
                             Err(_) => break Some((1007, "frames must be UTF-8 JSON".to_owned())),
                         },
                     };
-                    let sent = match step(text, &init, &mut operations, &mut served, engine.is_some(), protocol) {
+                    let sent = match step(text, &init, &mut operations, &mut served, engine.is_some(), protocol, &shared.admission) {
                         Step::Nothing => true,
                         Step::Reply(reply) => send(&mut sink, Message::Text(reply.into()), send_timeout).await,
                         Step::Verify(payload) => {
@@ -267,6 +269,7 @@ fn step(
     served: &mut Served,
     has_engine: bool,
     protocol: WebSocketProtocols,
+    admission: &DocumentAdmission,
 ) -> Step {
     let legacy = protocol == WebSocketProtocols::SubscriptionsTransportWS;
     let message = match ClientMessage::from_bytes(&text) {
@@ -293,7 +296,10 @@ fn step(
             }
             match operations.admit(protocol, &id, served) {
                 Err(refusal) => Step::Reply(refusal),
-                Ok(can_serve) => match can_serve.then(|| fanout::plan(payload)).flatten() {
+                Ok(can_serve) => match can_serve
+                    .then(|| fanout::plan(payload, admission))
+                    .flatten()
+                {
                     Some(plan) => Step::Serve(id, Box::new(plan)),
                     None => {
                         served.remove(&id);

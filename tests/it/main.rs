@@ -3,6 +3,7 @@
 
 mod support;
 
+mod admission;
 mod arguments;
 mod auth;
 mod cli;
