@@ -458,6 +458,11 @@ pub struct AuthConfig {
     /// independent, for the operators' queries and mutations. Unset: no
     /// token is an operator's.
     pub operator_claim: Option<String>,
+    /// A claim that lets a token act on other principals' runs of its
+    /// tenant when it is `true`: answer their questions, decide their
+    /// approvals, cancel them (a support agent, a team lead). Unset: only
+    /// a run's own principal may.
+    pub delegation_claim: Option<String>,
     /// Algorithms accepted from the JWKS; empty: all of [`JWKS_ALGORITHMS`].
     pub algorithms: Vec<String>,
     /// Variables holding secrets that still verify HS256 tokens but no
@@ -483,6 +488,7 @@ impl Default for AuthConfig {
             tenant_claim: "tenant".to_owned(),
             principal_claim: "sub".to_owned(),
             operator_claim: None,
+            delegation_claim: None,
             algorithms: Vec::new(),
             previous_secrets_env: Vec::new(),
             previous_secrets: Vec::new(),
@@ -502,6 +508,7 @@ impl std::fmt::Debug for AuthConfig {
             .field("tenant_claim", &self.tenant_claim)
             .field("principal_claim", &self.principal_claim)
             .field("operator_claim", &self.operator_claim)
+            .field("delegation_claim", &self.delegation_claim)
             .field("algorithms", &self.algorithms)
             .field("previous_secrets_env", &self.previous_secrets_env)
             .field("previous_secrets", &"<redacted>")
@@ -540,12 +547,25 @@ impl AuthConfig {
                 return Err(invalid(key, "must not be empty"));
             }
         }
-        if let Some(claim) = &self.operator_claim
-            && (claim.is_empty() || *claim == self.tenant_claim || *claim == self.principal_claim)
-        {
+        for (key, claim) in [
+            ("auth.operator_claim", &self.operator_claim),
+            ("auth.delegation_claim", &self.delegation_claim),
+        ] {
+            if let Some(claim) = claim
+                && (claim.is_empty()
+                    || *claim == self.tenant_claim
+                    || *claim == self.principal_claim)
+            {
+                return Err(invalid(
+                    key,
+                    "must name a claim of its own, not empty nor the tenant's or the principal's",
+                ));
+            }
+        }
+        if self.delegation_claim.is_some() && self.delegation_claim == self.operator_claim {
             return Err(invalid(
-                "auth.operator_claim",
-                "must name a claim of its own, not empty nor the tenant's or the principal's",
+                "auth.delegation_claim",
+                "must differ from auth.operator_claim",
             ));
         }
         for (i, alg) in self.algorithms.iter().enumerate() {
@@ -1025,7 +1045,7 @@ impl FileConfig {
         between(
             "api.max_document_nesting",
             api.max_document_nesting,
-            api.max_query_depth,
+            4,
             1_000,
         )?;
         at_least("api.max_fragments", api.max_fragments, 1)?;

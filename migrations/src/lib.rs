@@ -15,6 +15,8 @@ mod m0007_read_indexes;
 mod m0008_run_order;
 mod m0009_operator_actions;
 mod m0010_steering;
+mod m0011_grants_by_principal;
+mod m0012_operator_issuer;
 mod shape;
 
 pub struct Migrator;
@@ -33,6 +35,8 @@ impl MigratorTrait for Migrator {
             Box::new(m0008_run_order::Migration),
             Box::new(m0009_operator_actions::Migration),
             Box::new(m0010_steering::Migration),
+            Box::new(m0011_grants_by_principal::Migration),
+            Box::new(m0012_operator_issuer::Migration),
         ]
     }
 }

@@ -34,6 +34,12 @@ pub struct Viewer {
     /// The token carries `auth.operator_claim`: its holder may use the
     /// operators' queries and mutations, across tenants.
     pub operator: bool,
+    /// The token carries `auth.delegation_claim`: its holder may act on
+    /// other principals' runs of its tenant.
+    pub delegate: bool,
+    /// The token's `iss`, when it has one: who vouches for the principal
+    /// (recorded with an operator's actions).
+    pub issuer: Option<String>,
 }
 
 impl Viewer {
@@ -152,6 +158,7 @@ pub struct Authenticator {
     tenant_claim: String,
     principal_claim: String,
     operator_claim: Option<String>,
+    delegation_claim: Option<String>,
 }
 
 impl Authenticator {
@@ -227,6 +234,7 @@ impl Authenticator {
             tenant_claim: config.tenant_claim.clone(),
             principal_claim: config.principal_claim.clone(),
             operator_claim: config.operator_claim.clone(),
+            delegation_claim: config.delegation_claim.clone(),
         })
     }
 
@@ -282,6 +290,11 @@ impl Authenticator {
     }
 
     fn viewer(&self, claims: Map<String, Value>) -> Result<Viewer, AuthError> {
+        let claimed = |claim: &Option<String>| {
+            claim
+                .as_ref()
+                .is_some_and(|claim| claims.get(claim) == Some(&Value::Bool(true)))
+        };
         let text = |name: &str| match claims.get(name) {
             None | Some(Value::Null) => Err(Refusal::MissingClaim(name.to_owned())),
             Some(Value::String(value)) if !value.is_empty() => Ok(value.clone()),
@@ -294,10 +307,9 @@ impl Authenticator {
                 .get("exp")
                 .and_then(Value::as_i64)
                 .ok_or_else(|| Refusal::InvalidClaim("exp".to_owned()))?,
-            operator: self
-                .operator_claim
-                .as_ref()
-                .is_some_and(|claim| claims.get(claim) == Some(&Value::Bool(true))),
+            operator: claimed(&self.operator_claim),
+            delegate: claimed(&self.delegation_claim),
+            issuer: claims.get("iss").and_then(Value::as_str).map(str::to_owned),
         })
     }
 
@@ -615,6 +627,8 @@ mod tests {
             principal: "p".into(),
             expires_at,
             operator: false,
+            delegate: false,
+            issuer: None,
         };
         assert_eq!(viewer(i64::MAX).expires_in(), MAX_EXPIRY_WAIT);
         assert_eq!(viewer(i64::MIN).expires_in(), Duration::ZERO);

@@ -316,7 +316,9 @@ mod tests {
         let ends = {
             let store = store.clone();
             async move {
-                commands::cancel_run(&store, &ada(), run.id).await.unwrap();
+                commands::cancel_run(&store, &ada(), run.id, None)
+                    .await
+                    .unwrap();
             }
         };
         let feed = follow_with(

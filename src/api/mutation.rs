@@ -3,6 +3,7 @@ use std::sync::Arc;
 
 use super::context::{services, viewer};
 use super::error::{ApiError, ApiResult};
+use super::operators::operator;
 use super::types::{Conversation, Message, Run, parse_id};
 use crate::domain::ActiveRunStrategy;
 use crate::domain::interaction::{Answer, ApprovalDecision};
@@ -47,6 +48,7 @@ fn actor(ctx: &Context<'_>) -> ApiResult<Actor> {
     Ok(Actor {
         tenant: viewer.tenant.clone(),
         principal: viewer.principal.clone(),
+        delegate: viewer.delegate,
     })
 }
 
@@ -149,14 +151,19 @@ impl Mutation {
         let run_id = parse_id(&run_id).ok_or(ApiError::NotFound)?;
         let store = &services(ctx).store;
         let mut actor = actor(ctx)?;
+        // An operator may cancel anyone's run, of any tenant, and is audited
+        // when it is not their own.
+        let mut audited = None;
         if viewer(ctx)?.operator
-            && let Some(tenant) = operations::tenant_of_run(store, run_id).await?
-            && tenant != actor.tenant
+            && let Some((tenant, principal)) = operations::owner_of_run(store, run_id).await?
+            && (tenant != actor.tenant || principal != actor.principal)
         {
-            tracing::info!(operator = %actor.principal, %run_id, %tenant, "an operator cancels another tenant's run");
+            tracing::info!(operator = %actor.principal, %run_id, %tenant, "an operator cancels someone else's run");
             actor.tenant = tenant;
+            actor.delegate = true;
+            audited = Some(operator(ctx)?);
         }
-        let row = commands::cancel_run(store, &actor, run_id).await?;
+        let row = commands::cancel_run(store, &actor, run_id, audited).await?;
         Ok(Run(row))
     }
 

@@ -7,6 +7,7 @@ use async_graphql::{Context, Enum, ID, InputObject, Json, Object, SimpleObject};
 use super::context::{services, viewer};
 use super::error::{ApiError, ApiResult};
 use super::types::{DateTime, Run, ToolCall, parse_id, to_id};
+use crate::store::commit::Operator;
 use crate::store::entities::tool_call;
 use crate::store::operations::{self, Stuck};
 use crate::store::{queue, tool_calls};
@@ -15,10 +16,13 @@ use crate::store::{queue, tool_calls};
 const MAX_NOTE_CHARS: usize = 2000;
 
 /// The caller, if it is an operator.
-fn operator<'a>(ctx: &Context<'a>) -> ApiResult<&'a str> {
+pub(super) fn operator<'a>(ctx: &Context<'a>) -> ApiResult<Operator<'a>> {
     let viewer = viewer(ctx)?;
     if viewer.operator {
-        Ok(&viewer.principal)
+        Ok(Operator {
+            principal: &viewer.principal,
+            issuer: viewer.issuer.as_deref(),
+        })
     } else {
         Err(ApiError::Forbidden(
             "this operation is for operators: a token with auth.operator_claim".into(),
@@ -194,7 +198,7 @@ impl OperatorMutation {
             note,
         };
         let row = tool_calls::resolve(&services(ctx).store, id, resolution).await?;
-        tracing::info!(operator, tool_call_id = %id, tenant = %row.tenant, "an operator resolved a tool call");
+        tracing::info!(operator = operator.principal, tool_call_id = %id, tenant = %row.tenant, "an operator resolved a tool call");
         Ok(ToolCall(row))
     }
 
@@ -205,7 +209,7 @@ impl OperatorMutation {
         let note = note(&input.note)?;
         let id = parse_id(&input.run_id).ok_or(ApiError::NotFound)?;
         let row = queue::requeue(&services(ctx).store, operator, id, note).await?;
-        tracing::info!(operator, run_id = %id, tenant = %row.tenant, "an operator queued a run again");
+        tracing::info!(operator = operator.principal, run_id = %id, tenant = %row.tenant, "an operator queued a run again");
         Ok(Run(row))
     }
 }

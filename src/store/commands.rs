@@ -275,9 +275,19 @@ async fn unended_locked(
 
 /// Cancels a run: one no worker holds ends in this transaction; a running one
 /// is marked `cancelRequested` and its worker is told; an ended run is
-/// returned unchanged.
-pub async fn cancel_run(store: &Store, actor: &Actor, run_id: Uuid) -> Result<run::Model> {
-    let Some(found) = reads::run(store.db(), &actor.tenant, run_id).await? else {
+/// returned unchanged. Only the run's principal may, or a delegate; an
+/// operator acting on someone else's run (`operator`) is audited in the
+/// transaction that changes it.
+pub async fn cancel_run(
+    store: &Store,
+    actor: &Actor,
+    run_id: Uuid,
+    operator: Option<commit::Operator<'_>>,
+) -> Result<run::Model> {
+    let Some(found) = reads::run(store.db(), &actor.tenant, run_id)
+        .await?
+        .filter(|run| actor.acts_for(&run.principal))
+    else {
         return Err(Error::NotFound);
     };
     let mut tx = store.begin_write().await?;
@@ -294,6 +304,27 @@ pub async fn cancel_run(store: &Store, actor: &Actor, run_id: Uuid) -> Result<ru
     let status = reads::run_status(&row)?;
     if status.is_ended() {
         return Ok(row);
+    }
+    if let Some(operator) = operator
+        && !(status == RunStatus::Running && row.cancel_requested)
+    {
+        commit::record_operator_action(
+            &tx,
+            commit::OperatorAction {
+                operator,
+                action: "cancelRun",
+                tenant: &row.tenant,
+                run_id: Some(run_id),
+                tool_call_id: None,
+                note: "",
+                detail: serde_json::json!({
+                    "before": { "status": status.as_str() },
+                    "after": { "status": if status == RunStatus::Running { "RUNNING" } else { "CANCELLED" },
+                               "cancelRequested": status == RunStatus::Running },
+                }),
+            },
+        )
+        .await?;
     }
     if status == RunStatus::Running {
         // Returned as this mutation left it, `RUNNING`: its worker, told at

@@ -212,6 +212,8 @@ pub mod operator_action {
         #[sea_orm(primary_key, auto_increment = false)]
         pub id: Uuid,
         pub operator: String,
+        /// The `iss` of the operator's token, when it had one.
+        pub issuer: Option<String>,
         pub action: String,
         pub tenant: String,
         pub run_id: Option<Uuid>,

@@ -469,10 +469,13 @@ pub async fn granted(store: &Store, run: &run::Model, tool: &str) -> Result<bool
         .filter(grant::Column::Tool.eq(tool))
         .all(store.db())
         .await?;
-    Ok(grants.iter().any(|g| match g.scope.as_str() {
-        "CONVERSATION" => g.conversation_id == Some(run.conversation_id),
-        "ALWAYS" => g.principal.as_deref() == Some(run.principal.as_str()),
-        _ => false,
+    Ok(grants.iter().any(|g| {
+        let principal = g.principal.as_deref() == Some(run.principal.as_str());
+        match g.scope.as_str() {
+            "CONVERSATION" => principal && g.conversation_id == Some(run.conversation_id),
+            "ALWAYS" => principal,
+            _ => false,
+        }
     }))
 }
 
@@ -744,7 +747,9 @@ pub async fn resolve(
         Resolution::Answers(_) => InteractionKind::Question,
         Resolution::Decision { .. } => InteractionKind::Approval,
     };
-    let Some(found) = reads::interaction(store.db(), &actor.tenant, interaction_id).await? else {
+    // Someone else's pause is not found, as a random id is: before anything
+    // about it (its kind, whether an answer fits) is told.
+    let Some(found) = reads::interaction_for(store.db(), actor, interaction_id).await? else {
         return Err(Error::NotFound);
     };
     if kind_of(&found)? != wanted {
@@ -806,22 +811,20 @@ pub async fn resolve(
         _ => None,
     };
     mark_resolved(&tx, row, recorded, actor, now).await?;
+    // A grant covers the calls of the principal whose run asked (a delegate
+    // decides for them), never anyone else's.
     let scope = match decision {
-        Some(ApprovalDecision::AllowConversation) => {
-            Some(("CONVERSATION", Some(conversation_id), None))
-        }
-        Some(ApprovalDecision::AllowAlways) => {
-            Some(("ALWAYS", None, Some(actor.principal.clone())))
-        }
+        Some(ApprovalDecision::AllowConversation) => Some(("CONVERSATION", Some(conversation_id))),
+        Some(ApprovalDecision::AllowAlways) => Some(("ALWAYS", None)),
         _ => None,
     };
-    if let (Some((scope, conversation, principal)), Some(tool)) = (scope, tool_name) {
+    if let (Some((scope, conversation)), Some(tool)) = (scope, tool_name) {
         grant::ActiveModel {
             id: Set(new_id()),
             tenant: Set(actor.tenant.clone()),
             scope: Set(scope.to_owned()),
             conversation_id: Set(conversation),
-            principal: Set(principal),
+            principal: Set(Some(run_row.principal.clone())),
             tool: Set(tool),
             interaction_id: Set(interaction_id),
             created_at: Set(now),
@@ -1090,7 +1093,9 @@ mod tests {
         let (store, dir) = temp_store().await;
         let (lease, run_id, call_id) = waiting_call(&store, 86_400_000).await;
         allow(&store, run_id).await;
-        let answered = commands::cancel_run(&store, &ada(), run_id).await.unwrap();
+        let answered = commands::cancel_run(&store, &ada(), run_id, None)
+            .await
+            .unwrap();
         assert!(answered.cancel_requested);
         let taken = take_decision(&store, &lease, call_id, START_AT_ONCE).await;
         assert_eq!(taken.unwrap(), Decided::Run);
@@ -1113,7 +1118,9 @@ mod tests {
         let (lease, run_id, _) = waiting_call(&store, 86_400_000).await;
         // cancelRun lands while the worker is about to park: the run is
         // RUNNING, so only cancelRequested is set.
-        let answered = commands::cancel_run(&store, &ada(), run_id).await.unwrap();
+        let answered = commands::cancel_run(&store, &ada(), run_id, None)
+            .await
+            .unwrap();
         assert!(answered.cancel_requested);
         let parked = park(&store, &lease, Waiting::Approval, Usage::default(), false).await;
         assert!(matches!(parked, Err(Error::CancelRequested)), "{parked:?}");

@@ -79,6 +79,17 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 pub struct Actor {
     pub tenant: String,
     pub principal: String,
+    /// May act on other principals' runs of its tenant: decide, answer,
+    /// cancel (a token with `auth.delegation_claim`, or an operator's).
+    /// Without it, another principal's run and its pauses are `NotFound`.
+    pub delegate: bool,
+}
+
+impl Actor {
+    /// Whether this actor may act on a run of `principal`'s.
+    pub fn acts_for(&self, principal: &str) -> bool {
+        self.delegate || self.principal == principal
+    }
 }
 
 /// The database and the live bus that commits are announced on.
@@ -578,6 +589,7 @@ pub(crate) mod test_support {
         Actor {
             tenant: "acme".into(),
             principal: "ada".into(),
+            delegate: false,
         }
     }
 

@@ -261,10 +261,11 @@ pub async fn stuck_runs(store: &Store, queued_longer_than: Duration) -> Result<V
 }
 
 /// The tenant a run belongs to, whichever it is (for operators).
-pub async fn tenant_of_run(store: &Store, run_id: Uuid) -> Result<Option<String>> {
+pub async fn owner_of_run(store: &Store, run_id: Uuid) -> Result<Option<(String, String)>> {
     Ok(run::Entity::find_by_id(run_id)
         .select_only()
         .column(run::Column::Tenant)
+        .column(run::Column::Principal)
         .into_tuple()
         .one(store.db())
         .await?)

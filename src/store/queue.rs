@@ -444,7 +444,7 @@ async fn recover(
 /// runs' order.
 pub async fn requeue(
     store: &Store,
-    operator: &str,
+    operator: commit::Operator<'_>,
     run_id: Uuid,
     note: &str,
 ) -> Result<run::Model> {

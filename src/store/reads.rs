@@ -378,6 +378,31 @@ pub async fn interaction<C: ConnectionTrait>(
     owned::<interaction::Entity, _>(db, interaction::Column::Tenant, tenant, id).await
 }
 
+/// An interaction of a run `actor` may act on (its own, or any of its
+/// tenant's for a delegate), in one statement; `None` for anyone else's, as
+/// for an id that does not exist.
+pub async fn interaction_for<C: ConnectionTrait>(
+    db: &C,
+    actor: &super::Actor,
+    id: Uuid,
+) -> Result<Option<interaction::Model>> {
+    let mut found = interaction::Entity::find_by_id(id)
+        .filter(interaction::Column::Tenant.eq(actor.tenant.as_str()));
+    if !actor.delegate {
+        found = found.filter(
+            interaction::Column::RunId.in_subquery(
+                sea_orm::sea_query::Query::select()
+                    .column(run::Column::Id)
+                    .from(run::Entity)
+                    .and_where(run::Column::Tenant.eq(actor.tenant.as_str()))
+                    .and_where(run::Column::Principal.eq(actor.principal.as_str()))
+                    .to_owned(),
+            ),
+        );
+    }
+    Ok(found.one(db).await?)
+}
+
 /// A run's interactions of one kind and status, in the order of their tool
 /// calls (the calls of a batch open theirs concurrently).
 pub async fn interactions_of_run<C: ConnectionTrait>(

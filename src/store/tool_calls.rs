@@ -217,7 +217,7 @@ pub async fn record(store: &Store, lease: &Lease, finished: Finished) -> Result<
 /// How an operator says a call of unknown outcome came out.
 #[derive(Debug, Clone)]
 pub struct OperatorResolution<'a> {
-    pub operator: &'a str,
+    pub operator: commit::Operator<'a>,
     pub succeeded: bool,
     /// What the downstream system reports, as the call's output.
     pub output: Value,

@@ -31,6 +31,7 @@ fn actor() -> Actor {
     Actor {
         tenant: TENANT.into(),
         principal: "ada".into(),
+        delegate: false,
     }
 }
 

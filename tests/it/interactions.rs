@@ -301,6 +301,134 @@ async fn a_second_question_while_one_is_pending_fails_at_once() {
     assert!(pending_question(&server, &token, &run).await.is_object());
 }
 
+const CANCEL: &str = "mutation($r: ID!) { cancelRun(runId: $r) { id status cancelRequested } }";
+
+#[tokio::test]
+async fn another_person_of_the_tenant_can_neither_resolve_nor_cancel_your_run() {
+    let downstream = Downstream::start().await;
+    let config = format!(
+        "{}\n[auth]\ndelegation_claim = \"tether_delegate\"\n",
+        config(&downstream)
+    );
+    let server = Server::start_workers(&config).await;
+    let ada = server.token("acme", "ada");
+    let bob = server.token("acme", "bob");
+    let conversation = server.create_conversation(&ada).await;
+    let (_, asked) = server.send(&ada, &conversation, "/ask").await;
+    status_becomes(&server, &ada, &asked, "WAITING_FOR_QUESTION").await;
+    let question = pending_question(&server, &ada, &asked).await;
+    let question = question["interactionId"].as_str().unwrap().to_owned();
+    let random = uuid::Uuid::now_v7().to_string();
+
+    // Bob's answers, good or bad, are told what a random id is told.
+    let (_, theirs) = answer(&server, &bob, &question, good_answers()).await;
+    let (_, unknown) = answer(&server, &bob, &random, good_answers()).await;
+    assert_eq!(
+        theirs["errors"][0]["extensions"]["code"], "NOT_FOUND",
+        "{theirs}"
+    );
+    assert_eq!(theirs["errors"], unknown["errors"]);
+    let (_, bad) = answer(&server, &bob, &question, json!([])).await;
+    assert_eq!(bad["errors"], unknown["errors"], "{bad}");
+    let (_, cancelled) = server.post(Some(&bob), CANCEL, json!({ "r": asked })).await;
+    let (_, no_run) = server
+        .post(Some(&bob), CANCEL, json!({ "r": random }))
+        .await;
+    assert_eq!(
+        cancelled["errors"][0]["extensions"]["code"], "NOT_FOUND",
+        "{cancelled}"
+    );
+    assert_eq!(cancelled["errors"], no_run["errors"]);
+    assert!(pending_question(&server, &ada, &asked).await.is_object());
+    let (_, answered) = answer(&server, &ada, &question, good_answers()).await;
+    assert_eq!(
+        answered["data"]["answerQuestion"]["resumed"], true,
+        "{answered}"
+    );
+    server.wait_until_ended(&ada, &asked).await;
+
+    // Bob cannot decide Ada's approval either.
+    let (gated_run, approval) = gated(
+        &server,
+        &ada,
+        &conversation,
+        "/tool publish {\"text\": \"ada's\"}",
+    )
+    .await;
+    let theirs = decide(&server, &bob, &approval, "ALLOW_CONVERSATION").await;
+    let unknown = decide(&server, &bob, &random, "ALLOW_CONVERSATION").await;
+    assert_eq!(
+        theirs["errors"][0]["extensions"]["code"], "NOT_FOUND",
+        "{theirs}"
+    );
+    assert_eq!(theirs["errors"], unknown["errors"]);
+    assert!(
+        downstream.requests().is_empty(),
+        "nothing ran on Bob's word"
+    );
+
+    // Ada allows it for the conversation: her grant covers her calls only.
+    let decided = decide(&server, &ada, &approval, "ALLOW_CONVERSATION").await;
+    assert_eq!(
+        decided["data"]["decideApproval"]["resumed"], true,
+        "{decided}"
+    );
+    assert_eq!(
+        server.wait_until_ended(&ada, &gated_run).await["status"],
+        "COMPLETED"
+    );
+    let (_, again) = server
+        .send(
+            &ada,
+            &conversation,
+            "/tool publish {\"text\": \"ada again\"}",
+        )
+        .await;
+    assert_eq!(
+        server.wait_until_ended(&ada, &again).await["status"],
+        "COMPLETED"
+    );
+    assert_eq!(
+        downstream.requests().len(),
+        2,
+        "Ada's grant covered her second call"
+    );
+    let (bobs_run, bobs_approval) = gated(
+        &server,
+        &bob,
+        &conversation,
+        "/tool publish {\"text\": \"bob's\"}",
+    )
+    .await;
+    assert_eq!(
+        downstream.requests().len(),
+        2,
+        "Ada's grant does not cover Bob's call"
+    );
+
+    // A token with the delegation claim may decide for Bob.
+    let lead = server.token_with("acme", "lead", json!({ "tether_delegate": true }));
+    let delegated = decide(&server, &lead, &bobs_approval, "ALLOW_ONCE").await;
+    assert_eq!(
+        delegated["data"]["decideApproval"]["resumed"], true,
+        "{delegated}"
+    );
+    assert_eq!(
+        server.wait_until_ended(&bob, &bobs_run).await["status"],
+        "COMPLETED"
+    );
+    assert_eq!(downstream.requests().len(), 3);
+    // The claim of another tenant's delegate reaches nothing of acme's.
+    let outsider = server.token_with("globex", "lead", json!({ "tether_delegate": true }));
+    let (_, theirs) = server
+        .post(Some(&outsider), CANCEL, json!({ "r": bobs_run }))
+        .await;
+    assert_eq!(
+        theirs["errors"][0]["extensions"]["code"], "NOT_FOUND",
+        "{theirs}"
+    );
+}
+
 #[tokio::test]
 async fn each_decision_does_what_it_says_and_gated_tools_never_run_without_one() {
     let downstream = Downstream::start().await;

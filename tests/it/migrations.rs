@@ -26,6 +26,7 @@ fn ada() -> Actor {
     Actor {
         tenant: "acme".into(),
         principal: "ada".into(),
+        delegate: false,
     }
 }
 

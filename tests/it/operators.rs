@@ -330,8 +330,48 @@ stream_delay_ms = 5
         .gql_error(&stranger, CANCEL, json!({ "r": long }))
         .await;
     assert_eq!(hidden["extensions"]["code"], "NOT_FOUND", "{hidden}");
+    // An operator whose identity provider vouches for them (`iss`).
+    let operator = server.token_with(
+        "ops",
+        "olga",
+        json!({ OPERATOR_CLAIM: true, "iss": "https://id.example" }),
+    );
     let cancelled = server.cancel(&operator, &long).await;
     assert_eq!(cancelled["id"], long.as_str(), "{cancelled}");
     let ended = server.wait_until_ended(&token, &long).await;
     assert_eq!(ended["status"], "CANCELLED", "{ended}");
+
+    // Both actions are audited, each with the run's tenant and who acted.
+    let store = tether::store::Store::connect(server.database_url(), Default::default())
+        .await
+        .unwrap();
+    use tether::store::entities::operator_action;
+    let audit = operator_action::Entity::find()
+        .all(store.db())
+        .await
+        .unwrap();
+    let of = |action: &str| audit.iter().find(|a| a.action == action).cloned();
+    let requeued = of("requeueRun").expect("the requeue is audited");
+    assert_eq!(
+        requeued.run_id.map(|id| id.to_string()).as_deref(),
+        Some(run.as_str())
+    );
+    assert_eq!(
+        (requeued.operator.as_str(), requeued.issuer.as_deref()),
+        ("olga", None)
+    );
+    let cancel = of("cancelRun").expect("the cancel is audited");
+    assert_eq!(
+        cancel.run_id.map(|id| id.to_string()).as_deref(),
+        Some(long.as_str())
+    );
+    assert_eq!(cancel.tenant, "acme");
+    assert_eq!(cancel.operator, "olga");
+    assert_eq!(cancel.issuer.as_deref(), Some("https://id.example"));
+    assert_eq!(
+        cancel.detail["before"]["status"], "RUNNING",
+        "{:?}",
+        cancel.detail
+    );
+    assert_eq!(audit.len(), 2, "{audit:?}");
 }

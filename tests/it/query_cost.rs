@@ -333,6 +333,8 @@ async fn statements_for(server: &Server, tenant: &str, query: &str) -> u64 {
             principal: "ada".to_owned(),
             expires_at: i64::MAX,
             operator: false,
+            delegate: false,
+            issuer: None,
         }))
         .await;
     assert!(response.errors.is_empty(), "{:?}", response.errors);

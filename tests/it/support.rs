@@ -576,6 +576,26 @@ impl Server {
             .expect("the test secret signs")
     }
 
+    /// A token for `sub` of `tenant` with these claims besides, signed with
+    /// the test secret.
+    pub fn token_with(&self, tenant: &str, sub: &str, extra: Value) -> String {
+        let exp = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs()
+            + 3600;
+        let mut claims = json!({ "sub": sub, "tenant": tenant, "exp": exp });
+        if let (Some(claims), Value::Object(extra)) = (claims.as_object_mut(), extra) {
+            claims.extend(extra);
+        }
+        jsonwebtoken::encode(
+            &jsonwebtoken::Header::new(jsonwebtoken::Algorithm::HS256),
+            &claims,
+            &jsonwebtoken::EncodingKey::from_secret(SECRET.as_bytes()).unwrap(),
+        )
+        .unwrap()
+    }
+
     /// An operator's token, for a configuration whose `auth.operator_claim`
     /// is `OPERATOR_CLAIM`.
     pub fn operator_token(&self, tenant: &str, sub: &str) -> String {

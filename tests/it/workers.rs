@@ -84,6 +84,7 @@ fn actor() -> Actor {
     Actor {
         tenant: "acme".into(),
         principal: "ada".into(),
+        delegate: false,
     }
 }
 

@@ -11,10 +11,17 @@ use crate::domain::time::{new_id, now_millis};
 use crate::store::Result;
 use crate::store::entities::operator_action;
 
+/// Who the operator is: their principal, and who vouches for it.
+#[derive(Debug, Clone, Copy)]
+pub struct Operator<'a> {
+    pub principal: &'a str,
+    pub issuer: Option<&'a str>,
+}
+
 /// What an operator did, to what, and why.
 #[derive(Debug, Clone)]
 pub struct OperatorAction<'a> {
-    pub operator: &'a str,
+    pub operator: Operator<'a>,
     pub action: &'static str,
     pub tenant: &'a str,
     pub run_id: Option<Uuid>,
@@ -27,7 +34,8 @@ pub struct OperatorAction<'a> {
 pub(in crate::store) async fn record(tx: &WriteTx, action: OperatorAction<'_>) -> Result<()> {
     operator_action::ActiveModel {
         id: Set(new_id()),
-        operator: Set(action.operator.to_owned()),
+        operator: Set(action.operator.principal.to_owned()),
+        issuer: Set(action.operator.issuer.map(str::to_owned)),
         action: Set(action.action.to_owned()),
         tenant: Set(action.tenant.to_owned()),
         run_id: Set(action.run_id),

@@ -18,8 +18,8 @@ mod pending;
 mod start;
 mod steer;
 
-pub use audit::OperatorAction;
 pub(in crate::store) use audit::record as record_operator_action;
+pub use audit::{Operator, OperatorAction};
 pub use calls::{Finished, Outcome, of_step, state_of};
 pub(in crate::store) use calls::{change_in, change_through_in, record_in, set_output, tool_event};
 pub use end::Ending;
