@@ -23,6 +23,13 @@ use tokio_util::task::TaskTracker;
 
 use crate::config::ApiConfig;
 
+/// The address the listener that accepted a connection is bound to (say
+/// `0.0.0.0:9000`, where the connection's own address would be one
+/// interface's), for handlers whose access depends on who can reach the
+/// listener (`/metrics`).
+#[derive(Debug, Clone, Copy)]
+pub struct LocalAddr(pub std::net::SocketAddr);
+
 /// What bounds one server's connections.
 #[derive(Debug, Clone, Copy)]
 pub struct ConnectionLimits {
@@ -50,6 +57,7 @@ pub async fn serve(
     stopping: CancellationToken,
 ) {
     let slots = Arc::new(Semaphore::new(limits.max_connections));
+    let bound = listener.local_addr().ok().map(LocalAddr);
     let connections = TaskTracker::new();
     loop {
         // A connection over the cap waits in the kernel's backlog until a
@@ -81,6 +89,7 @@ pub async fn serve(
         }
         connections.spawn(serve_connection(
             tcp,
+            bound,
             permit,
             app.clone(),
             limits,
@@ -93,6 +102,7 @@ pub async fn serve(
 
 async fn serve_connection(
     tcp: TcpStream,
+    local: Option<LocalAddr>,
     permit: OwnedSemaphorePermit,
     app: Router,
     limits: ConnectionLimits,
@@ -107,6 +117,9 @@ async fn serve_connection(
         service_fn(move |mut request: hyper::Request<Incoming>| {
             if let Some(peer) = peer {
                 request.extensions_mut().insert(peer);
+            }
+            if let Some(local) = local {
+                request.extensions_mut().insert(local);
             }
             let guard = activity.begin();
             let response = router.call(request);

@@ -11,17 +11,36 @@ use sea_orm::DatabaseBackend;
 use subtle::ConstantTimeEq;
 
 use super::context::Services;
+use super::listener::LocalAddr;
 use crate::store::operations;
 use crate::telemetry::{self, Listener, Scrape};
 
-/// `GET /metrics`: every family in Prometheus's text format. Callers on
-/// loopback only, or with `metrics.bearer_token_env`'s token from anywhere.
+/// Headers a proxy adds to say whom it forwards for. A request with any of
+/// them came through a proxy, whatever address it arrived from.
+const PROXY_HEADERS: [&str; 8] = [
+    "forwarded",
+    "via",
+    "x-real-ip",
+    "true-client-ip",
+    "cf-connecting-ip",
+    "fastly-client-ip",
+    "x-client-ip",
+    "x-cluster-client-ip",
+];
+
+/// `GET /metrics`: every family in Prometheus's text format. With
+/// `metrics.bearer_token_env`, for that token only; without it, only on a
+/// loopback listener, for loopback callers that no proxy forwards.
 pub async fn metrics(State(services): State<Services>, request: Request) -> Response {
     let peer = request
         .extensions()
         .get::<ConnectInfo<SocketAddr>>()
         .map(|ConnectInfo(addr)| *addr);
-    if let Some(refusal) = refusal(&services, peer, request.headers()) {
+    let local = request
+        .extensions()
+        .get::<LocalAddr>()
+        .map(|LocalAddr(addr)| *addr);
+    if let Some(refusal) = refusal(&services, peer, local, request.headers()) {
         return refusal;
     }
     let Some(handle) = telemetry::install() else {
@@ -73,7 +92,12 @@ pub async fn metrics(State(services): State<Services>, request: Request) -> Resp
 }
 
 /// Why the caller may not read `/metrics`, if it may not.
-fn refusal(services: &Services, peer: Option<SocketAddr>, headers: &HeaderMap) -> Option<Response> {
+fn refusal(
+    services: &Services,
+    peer: Option<SocketAddr>,
+    local: Option<SocketAddr>,
+    headers: &HeaderMap,
+) -> Option<Response> {
     let config = &services.config.metrics;
     if let Some(token) = &config.bearer_token {
         let given = headers
@@ -94,21 +118,31 @@ fn refusal(services: &Services, peer: Option<SocketAddr>, headers: &HeaderMap) -
             }
         };
     }
-    // A proxy on this host makes every caller look local: a forwarded
+    // A listener others can reach needs the token, whoever calls; and a
+    // proxy on this host makes every caller look local, so a forwarded
     // request is not a loopback caller's.
-    let forwarded = headers.contains_key("forwarded") || headers.contains_key("x-forwarded-for");
-    if peer.is_some_and(|addr| addr.ip().is_loopback()) && !forwarded {
+    let loopback = |addr: Option<SocketAddr>| addr.is_some_and(|addr| addr.ip().is_loopback());
+    if loopback(local) && loopback(peer) && !forwarded(headers) {
         None
     } else {
         Some(
             (
                 StatusCode::FORBIDDEN,
-                "/metrics answers loopback callers only; set metrics.bearer_token_env to scrape \
-             from elsewhere",
+                "/metrics answers loopback callers on a loopback listener only; set \
+                 metrics.bearer_token_env to scrape from elsewhere",
             )
                 .into_response(),
         )
     }
+}
+
+/// Whether a proxy forwarded the request (any header a proxy adds to name
+/// the client: `Forwarded`, `Via`, `X-Forwarded-*`, `X-Real-IP` and kin).
+fn forwarded(headers: &HeaderMap) -> bool {
+    headers.keys().any(|name| {
+        let name = name.as_str();
+        name.starts_with("x-forwarded-") || PROXY_HEADERS.contains(&name)
+    })
 }
 
 /// `GET /readyz`: ready while the database answers, the PostgreSQL

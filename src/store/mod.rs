@@ -403,6 +403,10 @@ impl Store {
 /// failed connect until its acquire timeout and then reports only that it
 /// timed out, so a wrong address, a stopped server or a missing folder would
 /// be reported late and without its cause.
+///
+/// A new SQLite file is created first, readable by its owner only (0600),
+/// as the generated secret beside it is: SQLite gives the WAL and
+/// shared-memory files it makes the database file's permissions.
 async fn probe(url: &str, pools: &Pools) -> Result<()> {
     use sea_orm::sqlx::{ConnectOptions as _, Connection as _};
     use sea_orm::sqlx::{postgres::PgConnectOptions, sqlite::SqliteConnectOptions};
@@ -418,6 +422,9 @@ async fn probe(url: &str, pools: &Pools) -> Result<()> {
             .map_err(|err| failed(crate::redact::message(&err.to_string())))?
             .create_if_missing(true);
         let file = options.get_filename().to_owned();
+        if !in_memory(url) {
+            create_private(&file).map_err(|err| failed(sqlite_file_failure(&err, &file)))?;
+        }
         let opened = tokio::time::timeout(within, options.connect()).await;
         return match opened {
             Ok(Ok(connection)) => {
@@ -687,6 +694,23 @@ pub(crate) mod test_support {
     }
 }
 
+/// Creates `file`, empty and private to its owner, unless it exists.
+fn create_private(file: &std::path::Path) -> std::io::Result<()> {
+    let mut options = std::fs::OpenOptions::new();
+    options.write(true).create_new(true);
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
+    match options.open(file) {
+        Ok(_) => Ok(()),
+        Err(err) if err.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
+        Err(err) => Err(err),
+    }
+}
+
+fn sqlite_file_failure(err: &std::io::Error, file: &std::path::Path) -> String {
+    format!("cannot create the database file {}: {err}", file.display())
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
@@ -749,6 +773,35 @@ mod tests {
         assert_eq!(pragma::<i64>(&store, "foreign_keys").await, 1);
         let mapped: i64 = pragma(&store, "mmap_size").await;
         assert_eq!(mapped as u64, super::SQLITE_MMAP_BYTES);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// The database, its WAL and its shared memory are the owner's alone,
+    /// as the generated secret beside them is.
+    #[cfg(unix)]
+    #[tokio::test]
+    async fn sqlite_files_are_created_private_to_their_owner() {
+        use std::os::unix::fs::PermissionsExt;
+        let (store, dir) = temp_store().await;
+        super::test_support::conversation(&store).await;
+        let mut seen = Vec::new();
+        for entry in std::fs::read_dir(&dir).unwrap() {
+            let path = entry.unwrap().path();
+            let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+            seen.push((
+                path.file_name().unwrap().to_string_lossy().into_owned(),
+                mode,
+            ));
+        }
+        for suffix in ["", "-wal", "-shm"] {
+            assert!(
+                seen.iter()
+                    .any(|(name, _)| name.ends_with(&format!(".db{suffix}"))),
+                "no {suffix} file: {seen:?}"
+            );
+        }
+        assert!(seen.iter().all(|(_, mode)| *mode == 0o600), "{seen:?}");
+        drop(store);
         std::fs::remove_dir_all(dir).unwrap();
     }
 }

@@ -334,6 +334,52 @@ async fn metrics_answer_loopback_callers_only_unless_a_token_is_configured() {
         403,
         "a proxied caller is not a local one"
     );
+    // Nor is one whose proxy names it in any other header.
+    for header in [
+        "x-real-ip",
+        "forwarded",
+        "via",
+        "x-forwarded-host",
+        "true-client-ip",
+    ] {
+        let proxied = server
+            .http()
+            .get(format!("{}/metrics", base(&server)))
+            .header(header, "1.2.3.4")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(proxied.status(), 403, "{header}");
+    }
+    let local = server
+        .http()
+        .get(format!("{}/metrics", base(&server)))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        local.status(),
+        200,
+        "a loopback caller on a loopback listener"
+    );
+
+    // A listener others can reach needs the token even from loopback.
+    let port = {
+        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        probe.local_addr().unwrap().port()
+    };
+    let exposed = Server::start_workers(&config(
+        &downstream,
+        &format!("\n[metrics]\nlisten = \"0.0.0.0:{port}\"\n"),
+    ))
+    .await;
+    let refused = exposed
+        .http()
+        .get(format!("http://127.0.0.1:{port}/metrics"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), 403);
 
     let token = "metrics-token-of-at-least-32-bytes-long";
     let guarded = Server::start_with(ServerOptions {
