@@ -946,12 +946,14 @@ impl FileConfig {
 
     /// Where a tool's calls go (its method and URL), as configured now;
     /// `None` for a tool without an HTTP target or no longer configured.
+    /// Where a tool sends its calls, as an operator may be shown it: the
+    /// method and the URL, its secrets masked (`redact::url`).
     pub fn tool_target(&self, tool: &str) -> Option<String> {
         self.tools
             .iter()
             .find(|t| t.name == tool)
             .and_then(|t| t.http.as_ref())
-            .map(|http| format!("{} {}", http.method, http.url))
+            .map(|http| format!("{} {}", http.method, crate::redact::url(&http.url)))
     }
 
     pub fn parse(path: &Path, text: &str) -> Result<FileConfig, ConfigError> {

@@ -79,9 +79,41 @@ pub fn origin(url: &str) -> String {
     format!("{scheme}://{host}")
 }
 
+/// Words that make a query parameter's name a secret's, whatever its value
+/// looks like (`hook_token`, `apiKey`, `X-Amz-Signature`, `client_secret`).
+const SECRET_NAMES: [&str; 7] = [
+    "token",
+    "key",
+    "secret",
+    "sig",
+    "pass",
+    "auth",
+    "credential",
+];
+
+/// The query of a URL with the value of every parameter whose name names a
+/// secret masked, and anything key-like in the others.
+fn query(query: &str) -> String {
+    query
+        .split('&')
+        .map(|pair| match pair.split_once('=') {
+            Some((name, _))
+                if SECRET_NAMES
+                    .iter()
+                    .any(|word| name.to_ascii_lowercase().contains(word)) =>
+            {
+                format!("{name}={MASK}")
+            }
+            _ => secrets(pair),
+        })
+        .collect::<Vec<_>>()
+        .join("&")
+}
+
 /// A URL as it may be printed where its owner reads it (a start-up
-/// error): user, host, port, path and query kept, a password removed, and
-/// secret-looking query values masked.
+/// error, an operator's answer): user, host, port, path and query kept, a
+/// password removed, the values of secret-named query parameters masked,
+/// and secret-looking text anywhere else masked.
 pub fn url(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else {
         return secrets(url);
@@ -95,7 +127,15 @@ pub fn url(url: &str) -> String {
         }
         None => authority.to_owned(),
     };
-    format!("{scheme}://{authority}{}", secrets(tail))
+    let (path, rest) = tail.split_at(tail.find(['?', '#']).unwrap_or(tail.len()));
+    let rest = match rest.strip_prefix('?') {
+        Some(after) => {
+            let (params, fragment) = after.split_at(after.find('#').unwrap_or(after.len()));
+            format!("?{}{}", query(params), secrets(fragment))
+        }
+        None => secrets(rest),
+    };
+    format!("{scheme}://{authority}{}{rest}", secrets(path))
 }
 
 /// `Debug` for an optional secret: whether it is there, never what it is.
@@ -189,6 +229,18 @@ mod tests {
             "sqlite:///no/such/dir/t.db?mode=rwc"
         );
         assert_eq!(url("sqlite:t.db"), "sqlite:t.db");
+    }
+
+    #[test]
+    fn secret_named_query_parameters_are_masked_whatever_their_value() {
+        assert_eq!(
+            url("https://hooks.example.com/in?hook_token=abc&channel=ops&apiKey=k#top"),
+            "https://hooks.example.com/in?hook_token=[redacted]&channel=ops&apiKey=[redacted]#top"
+        );
+        assert_eq!(
+            url("https://s3.example.com/b/o?X-Amz-Signature=f00&X-Amz-Expires=60"),
+            "https://s3.example.com/b/o?X-Amz-Signature=[redacted]&X-Amz-Expires=60"
+        );
     }
 
     #[test]

@@ -90,7 +90,9 @@ async fn an_operator_lists_a_stuck_run_and_resolves_a_call_of_unknown_outcome() 
         &fake.base_url,
         "lease_secs = 1\nheartbeat_secs = 0.3",
         "tools = [\"held_once\"]",
-        &format!("{}{}", tool_sections(&downstream), operators()),
+        // The tool's URL carries a secret in its query, as webhooks do.
+        &format!("{}{}", tool_sections(&downstream), operators())
+            .replace("/held\"", "/held?hook_token=s3cr3t-hook\""),
     );
     let mut server = Server::start_with(ServerOptions {
         config,
@@ -137,7 +139,7 @@ async fn an_operator_lists_a_stuck_run_and_resolves_a_call_of_unknown_outcome() 
     assert_eq!(listed[0]["idempotencyKey"], calls[0]["idempotencyKey"]);
     assert_eq!(
         listed[0]["target"],
-        format!("POST {}/held", downstream.base).as_str()
+        format!("POST {}/held?hook_token=[redacted]", downstream.base).as_str()
     );
 
     // A tenant's token, even of the same tenant, is no operator's.
@@ -162,6 +164,10 @@ async fn an_operator_lists_a_stuck_run_and_resolves_a_call_of_unknown_outcome() 
     assert_eq!(unknown.len(), 1, "{unknown:?}");
     assert_eq!(unknown[0]["toolCall"]["id"], call_id.as_str());
     assert_eq!(unknown[0]["tenant"], "acme");
+    assert_eq!(
+        unknown[0]["target"],
+        format!("POST {}/held?hook_token=[redacted]", downstream.base).as_str()
+    );
     let empty_note = server
         .gql_error(
             &operator,
