@@ -29,8 +29,10 @@
 // Test routes:
 //   GET  /stats    -> {"authorization_code": n, "refresh_token": m}: token
 //                     requests received of each grant type, refused ones too.
-//   POST /control  JSON {"expires_in": seconds}: the lifetime of the tokens
-//                  issued from then on (default 3600).
+//   POST /control  JSON {"expires_in": seconds, "refresh_delay_ms": ms}:
+//                  the lifetime of the tokens issued from then on (default
+//                  3600), and how long a refresh is held before it is
+//                  answered (default 0), each optional.
 
 import { createHash, randomUUID, timingSafeEqual } from 'node:crypto';
 import { createServer } from 'node:http';
@@ -63,6 +65,8 @@ const codes = new Map();
 const refreshTokens = new Map();
 const stats = { authorization_code: 0, refresh_token: 0 };
 let expiresIn = 3600;
+/** How long a refresh is held before it is answered, in milliseconds. */
+let refreshDelayMs = 0;
 
 const issuer = new OAuth2Issuer();
 await issuer.keys.generate('RS256');
@@ -181,13 +185,19 @@ app.disable('x-powered-by');
 app.get('/stats', (_req, res) => res.json(stats));
 
 app.post('/control', express.json(), (req, res) => {
-  const seconds = req.body?.expires_in;
+  const seconds = req.body?.expires_in ?? expiresIn;
+  const delay = req.body?.refresh_delay_ms ?? refreshDelayMs;
   if (!Number.isInteger(seconds) || seconds < 1) {
     refuse(res, 400, 'invalid_request', 'expires_in must be a positive integer');
     return;
   }
+  if (!Number.isInteger(delay) || delay < 0) {
+    refuse(res, 400, 'invalid_request', 'refresh_delay_ms must be a non-negative integer');
+    return;
+  }
   expiresIn = seconds;
-  res.json({ expires_in: expiresIn });
+  refreshDelayMs = delay;
+  res.json({ expires_in: expiresIn, refresh_delay_ms: refreshDelayMs });
 });
 
 app.get('/authorize', (req, res, next) => {
@@ -235,7 +245,11 @@ app.post('/token', express.urlencoded({ extended: false }), (req, res, next) => 
   // the scope it grants is the one set here.
   req.grant = grant;
   req.body.scope = grant.scope;
-  next();
+  if (type === 'refresh_token' && refreshDelayMs > 0) {
+    setTimeout(next, refreshDelayMs);
+  } else {
+    next();
+  }
 });
 
 service.on('beforeTokenSigning', (token) => {

@@ -179,7 +179,17 @@ impl Connections {
         let enough = covers(&scopes, &need.scopes);
         // A server that does not rotate the refresh token keeps the old one.
         let sealed = self.seal(cipher, owner, tokens, scopes, Some(refresh_token));
-        stored::save(store, owner, sealed).await?;
+        if !stored::save_refreshed(store, &row, sealed).await? {
+            // Disconnected (or consented again) while the refresh was out:
+            // what is stored now decides, never the tokens just refreshed.
+            tracing::info!(provider = %need.provider, "the connection changed during its refresh; the refreshed tokens are dropped");
+            return Ok(match stored::find(store.db(), owner).await? {
+                None => Credential::Gap(ConnectionGap::Absent),
+                Some(now) => self
+                    .usable(cipher, &now, owner, need)?
+                    .unwrap_or(Credential::Gap(ConnectionGap::Expired)),
+            });
+        }
         Ok(if enough {
             Credential::Bearer(access_token)
         } else {

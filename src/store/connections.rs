@@ -96,12 +96,34 @@ pub async fn save_in<C: ConnectionTrait>(db: &C, owner: Owner<'_>, sealed: Seale
     Ok(())
 }
 
-/// `save_in` in a transaction of its own (a refresh).
-pub async fn save(store: &Store, owner: Owner<'_>, sealed: Sealed) -> Result<()> {
+/// Replaces the tokens of `row` with refreshed ones, only if `row` is still
+/// what is stored: a `disconnect` (or a new consent) committed while the
+/// refresh was at the provider wins, and the refreshed tokens are dropped.
+/// The sealed access token is the row's version: each sealing has a nonce
+/// of its own. Returns whether the row was still there to update.
+pub async fn save_refreshed(
+    store: &Store,
+    row: &connection::Model,
+    sealed: Sealed,
+) -> Result<bool> {
+    let scopes = serde_json::to_value(&sealed.scopes).map_err(|e| Error::Corrupt(e.to_string()))?;
     let tx = store.begin_write().await?;
-    save_in(&*tx, owner, sealed).await?;
+    let updated = connection::Entity::update_many()
+        .set(connection::ActiveModel {
+            scopes: Set(scopes),
+            access_token: Set(sealed.access_token),
+            refresh_token: Set(sealed.refresh_token),
+            key_id: Set(sealed.key_id),
+            expires_at: Set(sealed.expires_at),
+            updated_at: Set(now_millis()),
+            ..Default::default()
+        })
+        .filter(connection::Column::Id.eq(row.id))
+        .filter(connection::Column::AccessToken.eq(row.access_token.as_str()))
+        .exec(&*tx)
+        .await?;
     store.commit(tx).await?;
-    Ok(())
+    Ok(updated.rows_affected > 0)
 }
 
 /// Deletes the owner's connection; false when there was none.

@@ -661,3 +661,65 @@ async fn a_sealed_token_copied_into_another_tenants_row_does_not_open() {
         "nothing ran with it"
     );
 }
+
+#[tokio::test]
+async fn a_disconnect_during_a_slow_refresh_stays_and_the_call_asks_for_consent() {
+    let Rig {
+        downstream,
+        auth,
+        server,
+        token,
+        conversation,
+    } = Rig::start().await;
+    let (run, pending) = paused(
+        &server,
+        &token,
+        &conversation,
+        "/tool repos {\"text\": \"a\"}",
+    )
+    .await;
+    consent_to(&server, &auth, &token, &pending).await;
+    server.wait_until_ended(&token, &run).await;
+    let sent = downstream.requests_to("/effect").len();
+
+    // The token has expired; its refresh is held at the provider while
+    // the person disconnects.
+    let db = Database::connect(server.database_url()).await.unwrap();
+    db.execute_unprepared("UPDATE connections SET expires_at = 1")
+        .await
+        .unwrap();
+    db.close().await.unwrap();
+    auth.set_refresh_delay(std::time::Duration::from_secs(2))
+        .await;
+    let refreshes = auth.token_requests("refresh_token").await;
+    let (_, run) = server
+        .send(&token, &conversation, "/tool repos {\"text\": \"b\"}")
+        .await;
+    let deadline = tokio::time::Instant::now() + crate::support::PATIENCE;
+    while auth.token_requests("refresh_token").await == refreshes {
+        assert!(tokio::time::Instant::now() < deadline, "no refresh came");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let disconnect = "mutation { disconnect(provider: \"github\") }";
+    assert_eq!(
+        server.gql(&token, disconnect, json!({})).await["disconnect"],
+        true
+    );
+
+    // The refresh's answer comes back and is dropped: the call pauses for
+    // a new consent, and the connection stays gone.
+    server
+        .wait_for_run(&token, &run, |r| r["status"] == "WAITING_FOR_CONNECTION")
+        .await;
+    let pending = server.gql(&token, PENDING, json!({ "r": run })).await;
+    assert_eq!(pending["pendingConnection"]["gap"], "ABSENT", "{pending}");
+    assert_eq!(
+        server.gql(&token, CONNECTIONS, json!({})).await["connections"],
+        json!([])
+    );
+    assert_eq!(
+        downstream.requests_to("/effect").len(),
+        sent,
+        "the call sent nothing with the refreshed token"
+    );
+}

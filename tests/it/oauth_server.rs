@@ -123,10 +123,20 @@ impl AuthServer {
 
     /// The lifetime (`expires_in`) of the tokens issued from now on.
     pub async fn set_expires_in(&self, secs: u64) {
+        self.control(json!({ "expires_in": secs })).await;
+    }
+
+    /// How long each refresh from now on is held before it is answered.
+    pub async fn set_refresh_delay(&self, delay: std::time::Duration) {
+        self.control(json!({ "refresh_delay_ms": delay.as_millis() as u64 }))
+            .await;
+    }
+
+    async fn control(&self, settings: Value) {
         let response = self
             .http
             .post(format!("{}/control", self.base_url))
-            .json(&json!({ "expires_in": secs }))
+            .json(&settings)
             .send()
             .await
             .unwrap();
