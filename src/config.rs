@@ -458,6 +458,12 @@ pub struct AuthConfig {
     /// independent, for the operators' queries and mutations. Unset: no
     /// token is an operator's.
     pub operator_claim: Option<String>,
+    /// Where an operator's token may come from: the `iss` values and the
+    /// tenants whose tokens `operator_claim` makes an operator's. Empty:
+    /// any (set both where several identity providers or tenants mint
+    /// tokens, so that no tenant's own administrator becomes an operator).
+    pub operator_issuers: Vec<String>,
+    pub operator_tenants: Vec<String>,
     /// A claim that lets a token act on other principals' runs of its
     /// tenant when it is `true`: answer their questions, decide their
     /// approvals, cancel them (a support agent, a team lead). Unset: only
@@ -488,6 +494,8 @@ impl Default for AuthConfig {
             tenant_claim: "tenant".to_owned(),
             principal_claim: "sub".to_owned(),
             operator_claim: None,
+            operator_issuers: Vec::new(),
+            operator_tenants: Vec::new(),
             delegation_claim: None,
             algorithms: Vec::new(),
             previous_secrets_env: Vec::new(),
@@ -508,6 +516,8 @@ impl std::fmt::Debug for AuthConfig {
             .field("tenant_claim", &self.tenant_claim)
             .field("principal_claim", &self.principal_claim)
             .field("operator_claim", &self.operator_claim)
+            .field("operator_issuers", &self.operator_issuers)
+            .field("operator_tenants", &self.operator_tenants)
             .field("delegation_claim", &self.delegation_claim)
             .field("algorithms", &self.algorithms)
             .field("previous_secrets_env", &self.previous_secrets_env)
@@ -561,6 +571,14 @@ impl AuthConfig {
                     "must name a claim of its own, not empty nor the tenant's or the principal's",
                 ));
             }
+        }
+        if self.operator_claim.is_none()
+            && !(self.operator_issuers.is_empty() && self.operator_tenants.is_empty())
+        {
+            return Err(invalid(
+                "auth.operator_issuers",
+                "operator_issuers and operator_tenants restrict auth.operator_claim, which is not set",
+            ));
         }
         if self.delegation_claim.is_some() && self.delegation_claim == self.operator_claim {
             return Err(invalid(

@@ -158,6 +158,9 @@ pub struct Authenticator {
     tenant_claim: String,
     principal_claim: String,
     operator_claim: Option<String>,
+    /// Where operators' tokens may come from; empty: anywhere.
+    operator_issuers: Vec<String>,
+    operator_tenants: Vec<String>,
     delegation_claim: Option<String>,
 }
 
@@ -234,6 +237,8 @@ impl Authenticator {
             tenant_claim: config.tenant_claim.clone(),
             principal_claim: config.principal_claim.clone(),
             operator_claim: config.operator_claim.clone(),
+            operator_issuers: config.operator_issuers.clone(),
+            operator_tenants: config.operator_tenants.clone(),
             delegation_claim: config.delegation_claim.clone(),
         })
     }
@@ -300,16 +305,24 @@ impl Authenticator {
             Some(Value::String(value)) if !value.is_empty() => Ok(value.clone()),
             Some(_) => Err(Refusal::InvalidClaim(name.to_owned())),
         };
+        let tenant = text(&self.tenant_claim)?;
+        let issuer = claims.get("iss").and_then(Value::as_str).map(str::to_owned);
+        let listed = |allowed: &[String], value: Option<&str>| {
+            allowed.is_empty() || value.is_some_and(|v| allowed.iter().any(|a| a == v))
+        };
+        let operator = claimed(&self.operator_claim)
+            && listed(&self.operator_issuers, issuer.as_deref())
+            && listed(&self.operator_tenants, Some(&tenant));
         Ok(Viewer {
-            tenant: text(&self.tenant_claim)?,
+            tenant,
             principal: text(&self.principal_claim)?,
             expires_at: claims
                 .get("exp")
                 .and_then(Value::as_i64)
                 .ok_or_else(|| Refusal::InvalidClaim("exp".to_owned()))?,
-            operator: claimed(&self.operator_claim),
+            operator,
             delegate: claimed(&self.delegation_claim),
-            issuer: claims.get("iss").and_then(Value::as_str).map(str::to_owned),
+            issuer,
         })
     }
 
@@ -538,6 +551,43 @@ mod tests {
                 .await
                 .is_ok()
         );
+    }
+
+    #[tokio::test]
+    async fn the_operator_claim_counts_only_from_the_configured_issuers_and_tenants() {
+        let config = AuthConfig {
+            operator_claim: Some("ops".into()),
+            operator_issuers: vec!["https://staff.example".into()],
+            operator_tenants: vec!["ops".into()],
+            ..AuthConfig::default()
+        };
+        let auth = Authenticator::from_config(&config, vec![SECRET.to_owned()]).unwrap();
+        let exp = now_millis() / 1000 + 60;
+        let token = |iss: Option<&str>, tenant: &str| {
+            let mut claims =
+                serde_json::json!({"sub": "olga", "tenant": tenant, "exp": exp, "ops": true});
+            if let Some(iss) = iss {
+                claims["iss"] = iss.into();
+            }
+            let key = EncodingKey::from_secret(SECRET.as_bytes()).unwrap();
+            jsonwebtoken::encode(&Header::new(Algorithm::HS256), &claims, &key).unwrap()
+        };
+        let operator = |iss, tenant| {
+            let token = token(iss, tenant);
+            let auth = &auth;
+            async move { auth.verify(&token).await.unwrap().operator }
+        };
+        assert!(operator(Some("https://staff.example"), "ops").await);
+        // A tenant's own identity provider, or a tenant's administrator
+        // setting the claim, makes no operator.
+        assert!(!operator(Some("https://tenant-idp.example"), "ops").await);
+        assert!(!operator(None, "ops").await);
+        assert!(!operator(Some("https://staff.example"), "acme").await);
+        let viewer = auth
+            .verify(&token(Some("https://staff.example"), "ops"))
+            .await
+            .unwrap();
+        assert_eq!(viewer.issuer.as_deref(), Some("https://staff.example"));
     }
 
     #[tokio::test]
