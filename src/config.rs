@@ -99,6 +99,9 @@ pub struct RuntimeConfig {
     pub crash_retry_budget: u32,
     /// Runs one instance executes at once.
     pub concurrency: usize,
+    /// Runs of one tenant executing at once, over every instance; unset:
+    /// no cap (claims still take tenants in turn).
+    pub max_runs_per_tenant: Option<usize>,
     /// How often workers look for runs without being woken.
     pub poll_ms: u64,
     /// How long shutdown waits for in-flight runs to reach a commit point.
@@ -119,6 +122,7 @@ impl Default for RuntimeConfig {
             checkpoint_ms: 250,
             crash_retry_budget: 3,
             concurrency: 16,
+            max_runs_per_tenant: None,
             poll_ms: 1000,
             shutdown_grace_secs: 10.0,
             tool_concurrency: 4,
@@ -1017,6 +1021,9 @@ impl FileConfig {
         at_least("runtime.checkpoint_ms", rt.checkpoint_ms, 1)?;
         duration_ms("runtime.checkpoint_ms", rt.checkpoint_ms)?;
         between("runtime.concurrency", rt.concurrency, 1, 10_000)?;
+        if let Some(cap) = rt.max_runs_per_tenant {
+            between("runtime.max_runs_per_tenant", cap, 1, 1_000_000)?;
+        }
         between("runtime.tool_concurrency", rt.tool_concurrency, 1, 1_000)?;
         between(
             "runtime.history_cache_mib",

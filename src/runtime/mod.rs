@@ -181,19 +181,23 @@ async fn dispatch(
                     break;
                 }
                 let began = std::time::Instant::now();
-                let claimed = match queue::take(&store, &options.instance_id, lease_ms, free).await
-                {
-                    Ok(claimed) => {
-                        if !claimed.is_empty() {
-                            telemetry::claimed(claimed.len(), began.elapsed());
-                        }
-                        claimed
-                    }
-                    Err(err) => {
-                        tracing::warn!(error = %err, "claiming failed");
-                        break;
-                    }
+                let taking = queue::Slots {
+                    free,
+                    per_tenant: config.runtime.max_runs_per_tenant,
                 };
+                let claimed =
+                    match queue::take(&store, &options.instance_id, lease_ms, taking).await {
+                        Ok(claimed) => {
+                            if !claimed.is_empty() {
+                                telemetry::claimed(claimed.len(), began.elapsed());
+                            }
+                            claimed
+                        }
+                        Err(err) => {
+                            tracing::warn!(error = %err, "claiming failed");
+                            break;
+                        }
+                    };
                 let exhausted = claimed.len() < free;
                 for claimed in claimed {
                     // Only this loop takes permits, so one is free for each.
@@ -218,7 +222,9 @@ async fn dispatch(
                     });
                 }
                 if exhausted {
-                    saturated = false;
+                    // Under a tenant cap a run's end may let a run of its
+                    // tenant go that the cap held back: claim after ends.
+                    saturated = config.runtime.max_runs_per_tenant.is_some();
                     break;
                 }
             }

@@ -19,22 +19,46 @@ use crate::domain::run::{EndCause, RunError, RunInput, RunStatus, transition};
 use crate::domain::time::now_millis;
 use crate::failpoints;
 
-/// Claims up to `limit` runs that may run now: queued (or due for a retry),
-/// and not behind an unended earlier run of their conversation (by `seq`),
-/// so at most one run of a conversation at a time. Among those, the one
-/// that has been ready longest goes first: a run becomes ready when it is
-/// queued or when the run before it ends, so a conversation with a long
-/// queue takes its turn after the others that were waiting, round-robin,
-/// and never holds them up. Returns them with their new leases, in one
-/// statement. On PostgreSQL concurrent claimers skip each other's rows.
+/// How many runs a claim may take: `free` for this process, and at most
+/// `per_tenant` of one tenant running at once over every process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Slots {
+    pub free: usize,
+    pub per_tenant: Option<usize>,
+}
+
+impl From<usize> for Slots {
+    fn from(free: usize) -> Slots {
+        Slots {
+            free,
+            per_tenant: None,
+        }
+    }
+}
+
+/// Claims up to `slots.free` runs that may run now: queued (or due for a
+/// retry), and not behind an unended earlier run of their conversation (by
+/// `seq`), so at most one run of a conversation at a time.
+///
+/// Tenants take turns: each candidate's turn is the number of its tenant's
+/// runs running now plus its place among its tenant's candidates, and the
+/// lowest turns go first, so a tenant with a flood of runs queued (or
+/// running) gets the next free slot only after every other tenant with
+/// fewer under way; with `per_tenant`, no turn past it is taken at all.
+/// Within a turn, the one that has been ready longest goes first: a run
+/// becomes ready when it is queued or when the run before it ends, so a
+/// conversation with a long queue takes its turn after the others that
+/// were waiting, round-robin, and never holds them up. Returns them with
+/// their new leases, in one statement. On PostgreSQL concurrent claimers
+/// skip each other's rows.
 pub async fn claim(
     store: &Store,
     owner: &str,
     lease_ms: i64,
-    limit: usize,
+    slots: impl Into<Slots>,
 ) -> Result<Vec<run::Model>> {
     let _lane = store.write_lane().await;
-    claim_in(store.db(), owner, lease_ms, limit, Locks::Runs).await
+    claim_in(store.db(), owner, lease_ms, slots.into(), Locks::Runs).await
 }
 
 /// A claimed run, already started when its claim could be its first commit.
@@ -57,15 +81,21 @@ pub struct Claimed {
 /// conversation before its runs, and a claim that locked a run, then
 /// waited for its conversation, could deadlock with one of them. A run
 /// skipped so is claimed at the next wake-up or poll.
-pub async fn take(store: &Store, owner: &str, lease_ms: i64, limit: usize) -> Result<Vec<Claimed>> {
-    match claim_and_start(store, owner, lease_ms, limit).await {
+pub async fn take(
+    store: &Store,
+    owner: &str,
+    lease_ms: i64,
+    slots: impl Into<Slots>,
+) -> Result<Vec<Claimed>> {
+    let slots = slots.into();
+    match claim_and_start(store, owner, lease_ms, slots).await {
         Ok(taken) => return Ok(taken),
         // One run that cannot be started must not hold up the others: the
         // claim commits alone, and each worker starts its own run (and ends
         // the one that cannot start, as it would anyway).
         Err(err) => tracing::warn!(error = %err, "starting runs with their claim failed"),
     }
-    let claimed = claim(store, owner, lease_ms, limit).await?;
+    let claimed = claim(store, owner, lease_ms, slots).await?;
     Ok(claimed
         .into_iter()
         .map(|run| Claimed { run, begun: None })
@@ -80,10 +110,10 @@ async fn claim_and_start(
     store: &Store,
     owner: &str,
     lease_ms: i64,
-    limit: usize,
+    slots: Slots,
 ) -> Result<Vec<Claimed>> {
     let mut tx = store.begin_write().await?;
-    let (claimed, started) = match start_claimed(&mut tx, owner, lease_ms, limit).await {
+    let (claimed, started) = match start_claimed(&mut tx, owner, lease_ms, slots).await {
         Ok(taken) if !taken.0.is_empty() => taken,
         Ok(_) => {
             tx.rollback().await?;
@@ -113,9 +143,9 @@ async fn start_claimed(
     tx: &mut WriteTx,
     owner: &str,
     lease_ms: i64,
-    limit: usize,
+    slots: Slots,
 ) -> Result<(Vec<run::Model>, Vec<(Uuid, commit::FirstStep)>)> {
-    let claimed = claim_in(&**tx, owner, lease_ms, limit, Locks::RunsAndConversations).await?;
+    let claimed = claim_in(&**tx, owner, lease_ms, slots, Locks::RunsAndConversations).await?;
     let mut started = Vec::with_capacity(claimed.len());
     for row in &claimed {
         let (mut events, mut writes) = (Vec::new(), Writes::default());
@@ -148,9 +178,10 @@ async fn claim_in<C: ConnectionTrait>(
     db: &C,
     owner: &str,
     lease_ms: i64,
-    limit: usize,
+    slots: Slots,
     locks: Locks,
 ) -> Result<Vec<run::Model>> {
+    let limit = slots.free;
     let now = now_millis();
     let backend = db.get_database_backend();
     let mut n = 0;
@@ -189,14 +220,28 @@ async fn claim_in<C: ConnectionTrait>(
         condition,
         ready_since,
     } = Claimable::sql(backend, &p_due);
+    // The candidates with their readiness (`ready`), then each one's turn
+    // in its tenant (`turn`), in derived tables: PostgreSQL locks no row of
+    // a query level that has a window function, and this leaves the level
+    // that locks `r` without one.
+    let capped = match slots.per_tenant {
+        Some(cap) => format!(" WHERE t.turn <= {cap}"),
+        None => String::new(),
+    };
     let sql = format!(
         "UPDATE runs SET status = 'RUNNING', lease_owner = {p_owner}, \
          lease_epoch = lease_epoch + 1, lease_expires_at = {p_expires}, \
          claimed_at = {p_claimed}, started_at = COALESCE(started_at, {p_started}), \
          next_attempt_at = NULL, attempt = CASE WHEN attempt = 0 THEN 1 ELSE attempt END \
          WHERE status IN ('QUEUED', 'RETRY_PENDING') AND id IN (\
-           SELECT r.id FROM runs r{join} WHERE {condition} \
-           ORDER BY {ready_since}, r.seq, r.id \
+           SELECT r.id FROM runs r{join} JOIN (\
+             SELECT c.id, c.ready, c.seq, \
+               (SELECT COUNT(*) FROM runs a WHERE a.tenant = c.tenant AND a.status = 'RUNNING') \
+               + ROW_NUMBER() OVER (PARTITION BY c.tenant ORDER BY c.ready, c.seq, c.id) AS turn \
+             FROM (SELECT r.id, r.tenant, r.seq, {ready_since} AS ready \
+                   FROM runs r WHERE {condition}) c\
+           ) t ON t.id = r.id{capped} \
+           ORDER BY t.turn, t.ready, t.seq, r.id \
            LIMIT {limit}{skip_locked}) \
          RETURNING {columns}"
     );

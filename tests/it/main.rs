@@ -14,6 +14,7 @@ mod crash;
 mod deploy;
 mod downstream;
 mod during_a_run;
+mod fairness;
 mod fakes;
 mod graphiql;
 mod history_tail;
