@@ -50,6 +50,13 @@ concurrency = 32
 poll_ms = 1000
 checkpoint_ms = 250
 
+# The bench's clients send as fast as runs go: no rate limits.
+[api]
+messages_per_minute = 0
+tenant_messages_per_minute = 0
+conversations_per_minute = 0
+tenant_conversations_per_minute = 0
+
 [[agents]]
 name = "demo"
 provider = "scripted"

@@ -69,6 +69,11 @@ checkpoint_ms = {CHECKPOINT_MS}
 
 [api]
 max_query_depth = 16
+# The bench's clients send as fast as runs go: no rate limits.
+messages_per_minute = 0
+tenant_messages_per_minute = 0
+conversations_per_minute = 0
+tenant_conversations_per_minute = 0
 
 [[agents]]
 name = "demo"

@@ -218,6 +218,8 @@ fn start(kind: Kind, workers: bool, stream_delay_ms: usize) -> Server {
                 "default_agent = \"demo\"\n\
                  [runtime]\nconcurrency = 8\n\
                  [api]\nmax_connections = 60000\n\
+                 messages_per_minute = 0\ntenant_messages_per_minute = 0\n\
+                 conversations_per_minute = 0\ntenant_conversations_per_minute = 0\n\
                  [[agents]]\nname = \"demo\"\nprovider = \"scripted\"\nstream_delay_ms = {stream_delay_ms}\n"
             );
             std::fs::write(dir.join("tether.toml"), config).unwrap();

@@ -238,6 +238,13 @@ pub struct ApiConfig {
     /// Selections (fields, spreads, inline fragments) one document may
     /// expand to, fragments counted wherever they are spread.
     pub max_query_nodes: usize,
+    /// `sendMessage`s one principal may make a minute (up to this many at
+    /// once), and one tenant over all its principals; 0: no limit.
+    pub messages_per_minute: u32,
+    pub tenant_messages_per_minute: u32,
+    /// `createConversation`s, likewise.
+    pub conversations_per_minute: u32,
+    pub tenant_conversations_per_minute: u32,
     /// How long a long document (over 8 KiB) may wait for its turn to be
     /// parsed or validated before it is refused. One at a time is.
     pub admission_budget_ms: u64,
@@ -300,6 +307,10 @@ impl Default for ApiConfig {
             max_spreads: 5_000,
             max_query_nodes: 50_000,
             admission_budget_ms: 2_000,
+            messages_per_minute: 600,
+            tenant_messages_per_minute: 6_000,
+            conversations_per_minute: 120,
+            tenant_conversations_per_minute: 1_200,
             request_timeout_secs: 30.0,
             read_connections: 8,
             max_full_output_bytes: 1024 * 1024,

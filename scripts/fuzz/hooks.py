@@ -14,7 +14,7 @@ from schemathesis.graphql import nodes
 
 # The contract's codes a client may see for a refused or failed request.
 TYPED = {
-    "UNAUTHENTICATED", "NOT_FOUND", "BAD_USER_INPUT", "CONFLICT", "FORBIDDEN", "TIMEOUT", "UNAVAILABLE",
+    "UNAUTHENTICATED", "NOT_FOUND", "BAD_USER_INPUT", "CONFLICT", "FORBIDDEN", "TIMEOUT", "UNAVAILABLE", "RATE_LIMITED",
 }
 LEAKS = ("panicked", "SELECT ", "INSERT ", "UPDATE ", "sqlx", "sea_orm", "stack backtrace", "src/")
 

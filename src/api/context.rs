@@ -33,12 +33,15 @@ pub struct Services {
     /// Set when the process starts draining (SIGTERM): `/readyz` answers
     /// not-ready from then on.
     pub draining: Arc<std::sync::atomic::AtomicBool>,
+    /// How often each principal and tenant may start work.
+    pub rates: Arc<super::rates::Rates>,
 }
 
 impl Services {
     pub fn new(store: Store, config: Arc<FileConfig>, connections: Arc<Connections>) -> Services {
         let subscriptions = Arc::new(tokio::sync::Semaphore::new(config.api.max_subscriptions));
         Services {
+            rates: Arc::new(super::rates::Rates::new(&config.api)),
             store,
             config,
             connections,

@@ -26,6 +26,12 @@ pub enum ApiError {
     Forbidden(String),
     /// A service the operation needs did not answer; nothing changed.
     Unavailable(String),
+    /// A per-principal or per-tenant limit; nothing changed. Try again in
+    /// `retry_after_secs`.
+    RateLimited {
+        message: String,
+        retry_after_secs: u64,
+    },
     Internal,
 }
 
@@ -50,7 +56,8 @@ impl ApiError {
             ApiError::BadInput { message, .. } => message,
             ApiError::Conflict(message)
             | ApiError::Forbidden(message)
-            | ApiError::Unavailable(message) => message,
+            | ApiError::Unavailable(message)
+            | ApiError::RateLimited { message, .. } => message,
             ApiError::Internal => "internal error",
         }
     }
@@ -62,6 +69,7 @@ impl ApiError {
             ApiError::Conflict(_) => "CONFLICT",
             ApiError::Forbidden(_) => "FORBIDDEN",
             ApiError::Unavailable(_) => "UNAVAILABLE",
+            ApiError::RateLimited { .. } => "RATE_LIMITED",
             ApiError::Internal => "INTERNAL",
         }
     }
@@ -94,6 +102,12 @@ impl From<ApiError> for async_graphql::Error {
         extensions.set("code", err.code());
         if let ApiError::BadInput { key: Some(key), .. } = &err {
             extensions.set("key", key.as_str());
+        }
+        if let ApiError::RateLimited {
+            retry_after_secs, ..
+        } = &err
+        {
+            extensions.set("retryAfter", *retry_after_secs);
         }
         async_graphql::Error {
             message: err.message().to_owned(),

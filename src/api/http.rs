@@ -152,6 +152,7 @@ fn answer(response: async_graphql::Response, headers: &HeaderMap) -> Response {
         .and_then(|v| v.to_str().ok())
         .is_some_and(|v| v.contains(GRAPHQL_RESPONSE));
     let refused = response.data == async_graphql::Value::Null && response.is_err();
+    let retry_after = retry_after(&response).filter(|_| refused);
     // async-graphql-axum's response: the body, its media type, and the
     // headers and cache control resolvers set.
     let mut answer = GraphQLResponse::from(response).into_response();
@@ -167,7 +168,27 @@ fn answer(response: async_graphql::Response, headers: &HeaderMap) -> Response {
         // a 400.
         *answer.status_mut() = StatusCode::BAD_REQUEST;
     }
+    // A request refused whole by a rate limit is 429 with `Retry-After`,
+    // for any client: proxies and HTTP libraries back off on it.
+    if let Some(secs) = retry_after {
+        *answer.status_mut() = StatusCode::TOO_MANY_REQUESTS;
+        if let Ok(value) = HeaderValue::from_str(&secs.to_string()) {
+            answer.headers_mut().insert(header::RETRY_AFTER, value);
+        }
+    }
     answer
+}
+
+/// The `retryAfter` of a `RATE_LIMITED` error, when the response has one.
+fn retry_after(response: &async_graphql::Response) -> Option<u64> {
+    response.errors.iter().find_map(|err| {
+        let extensions = err.extensions.as_ref()?;
+        let limited = matches!(extensions.get("code"), Some(async_graphql::Value::String(code)) if code == "RATE_LIMITED");
+        match extensions.get("retryAfter")? {
+            async_graphql::Value::Number(secs) if limited => secs.as_u64(),
+            _ => None,
+        }
+    })
 }
 
 fn authorization(headers: &HeaderMap) -> Option<&str> {

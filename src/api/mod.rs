@@ -17,6 +17,7 @@ mod operations;
 mod operators;
 mod playground;
 pub mod query;
+pub mod rates;
 pub mod subscription;
 pub mod types;
 mod ws;

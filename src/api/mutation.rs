@@ -4,6 +4,7 @@ use std::sync::Arc;
 use super::context::{services, viewer};
 use super::error::{ApiError, ApiResult};
 use super::operators::operator;
+use super::rates::Action;
 use super::types::{Conversation, Message, Run, parse_id};
 use crate::domain::ActiveRunStrategy;
 use crate::domain::interaction::{Answer, ApprovalDecision};
@@ -84,9 +85,13 @@ impl Mutation {
                 ),
             ));
         }
+        let actor = actor(ctx)?;
+        services
+            .rates
+            .check(Action::CreateConversation, &actor.tenant, &actor.principal)?;
         let row = commands::create_conversation(
             &services.store,
-            &actor(ctx)?,
+            &actor,
             NewConversation { agent, title },
         )
         .await?;
@@ -120,6 +125,9 @@ impl Mutation {
         }
         let conversation_id = parse_id(&input.conversation_id).ok_or(ApiError::NotFound)?;
         let actor = actor(ctx)?;
+        services
+            .rates
+            .check(Action::SendMessage, &actor.tenant, &actor.principal)?;
         let config = services.config.clone();
         let max_attempts = MaxAttempts::ByAgent(Arc::new(move |agent| {
             config

@@ -32,6 +32,7 @@ mod operators;
 mod provider_tools;
 mod providers;
 mod query_cost;
+mod rate_limits;
 mod retries;
 mod runs;
 mod scale_out;
