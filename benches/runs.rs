@@ -74,6 +74,10 @@ messages_per_minute = 0
 tenant_messages_per_minute = 0
 conversations_per_minute = 0
 tenant_conversations_per_minute = 0
+max_subscriptions_per_principal = 100000
+max_subscriptions_per_tenant = 100000
+max_sockets_per_principal = 60000
+max_sockets_per_tenant = 60000
 
 [[agents]]
 name = "demo"

@@ -259,11 +259,28 @@ pub struct ApiConfig {
     pub ws_keepalive_secs: u64,
     /// How long a new WebSocket may take to send `connection_init`.
     pub ws_init_timeout_secs: u64,
+    /// How long an acknowledged WebSocket may run no operation before it
+    /// is closed (1000, "idle"); counted in keepalive intervals.
+    pub ws_idle_timeout_secs: u64,
+    /// WebSockets served at once, of `max_connections`; the rest are kept
+    /// for HTTP requests and the probes. Unset: three quarters of them.
+    pub max_websockets: Option<usize>,
+    /// How long a new connection may take to send its first byte before it
+    /// is closed (a connection that sends nothing holds a slot no longer).
+    pub first_byte_timeout_ms: u64,
     /// Operations (subscriptions) one WebSocket may run at once.
     pub ws_max_operations: usize,
     /// Subscriptions the whole process serves at once; more are refused
     /// with `UNAVAILABLE`.
     pub max_subscriptions: usize,
+    /// Of those, what one principal, and one tenant, may hold at once; more
+    /// are refused with `RATE_LIMITED`.
+    pub max_subscriptions_per_principal: usize,
+    pub max_subscriptions_per_tenant: usize,
+    /// Acknowledged WebSockets one principal, and one tenant, may hold
+    /// open at once; one more is closed with 1013 (try again later).
+    pub max_sockets_per_principal: usize,
+    pub max_sockets_per_tenant: usize,
     /// How long one frame may take to reach a WebSocket client before the
     /// connection is given up as stalled.
     pub ws_send_timeout_secs: u64,
@@ -289,6 +306,13 @@ impl ApiConfig {
     /// Valid once the configuration is: validation bounds the seconds.
     pub fn request_timeout(&self) -> std::time::Duration {
         std::time::Duration::from_secs_f64(self.request_timeout_secs)
+    }
+
+    /// `max_websockets`, or three quarters of `max_connections` (at least
+    /// one).
+    pub fn websockets(&self) -> usize {
+        self.max_websockets
+            .unwrap_or((self.max_connections / 4 * 3).max(1))
     }
 }
 
@@ -316,8 +340,15 @@ impl Default for ApiConfig {
             max_full_output_bytes: 1024 * 1024,
             ws_keepalive_secs: 15,
             ws_init_timeout_secs: 10,
+            ws_idle_timeout_secs: 600,
+            max_websockets: None,
+            first_byte_timeout_ms: 3_000,
             ws_max_operations: 100,
             max_subscriptions: 100_000,
+            max_subscriptions_per_principal: 1_000,
+            max_subscriptions_per_tenant: 50_000,
+            max_sockets_per_principal: 64,
+            max_sockets_per_tenant: 8_192,
             ws_send_timeout_secs: 10,
             header_read_timeout_secs: 10,
             keepalive_idle_secs: 60,
@@ -1079,6 +1110,21 @@ impl FileConfig {
             3_600,
         )?;
         at_least("api.max_aliases", api.max_aliases, 1)?;
+        between(
+            "api.ws_idle_timeout_secs",
+            api.ws_idle_timeout_secs,
+            1,
+            86_400 * 30,
+        )?;
+        between(
+            "api.first_byte_timeout_ms",
+            api.first_byte_timeout_ms,
+            100,
+            3_600_000,
+        )?;
+        if let Some(max) = api.max_websockets {
+            between("api.max_websockets", max, 1, api.max_connections)?;
+        }
         at_least("api.max_document_bytes", api.max_document_bytes, 1024)?;
         between(
             "api.max_document_nesting",
@@ -1104,6 +1150,23 @@ impl FileConfig {
         at_least("api.read_connections", api.read_connections, 1)?;
         at_least("api.max_full_output_bytes", api.max_full_output_bytes, 1024)?;
         at_least("api.ws_max_operations", api.ws_max_operations, 1)?;
+        for (key, value) in [
+            (
+                "api.max_subscriptions_per_principal",
+                api.max_subscriptions_per_principal,
+            ),
+            (
+                "api.max_subscriptions_per_tenant",
+                api.max_subscriptions_per_tenant,
+            ),
+            (
+                "api.max_sockets_per_principal",
+                api.max_sockets_per_principal,
+            ),
+            ("api.max_sockets_per_tenant", api.max_sockets_per_tenant),
+        ] {
+            at_least(key, value, 1)?;
+        }
         between(
             "api.max_subscriptions",
             api.max_subscriptions,

@@ -35,6 +35,8 @@ pub struct Services {
     pub draining: Arc<std::sync::atomic::AtomicBool>,
     /// How often each principal and tenant may start work.
     pub rates: Arc<super::rates::Rates>,
+    /// What each principal and tenant may hold at once.
+    pub quotas: Arc<super::quotas::Quotas>,
 }
 
 impl Services {
@@ -42,6 +44,7 @@ impl Services {
         let subscriptions = Arc::new(tokio::sync::Semaphore::new(config.api.max_subscriptions));
         Services {
             rates: Arc::new(super::rates::Rates::new(&config.api)),
+            quotas: Arc::new(super::quotas::Quotas::new(&config.api)),
             store,
             config,
             connections,

@@ -217,7 +217,7 @@ struct Served {
     document: Arc<Document>,
     events: BoxStream<'static, crate::store::Result<Arc<Event>>>,
     /// Held for as long as the feed is served (`api.max_subscriptions`).
-    permit: Option<tokio::sync::OwnedSemaphorePermit>,
+    permit: Option<super::quotas::SubscriptionPermit>,
     /// The feed ended with an error, already sent.
     failed: bool,
 }

@@ -91,6 +91,12 @@ pub async fn graphql_get(State(app): State<AppState>, request: Request) -> Respo
                 "supported subprotocols: graphql-transport-ws, graphql-ws",
             );
         };
+        let Ok(slot) = app.ws.sockets.clone().try_acquire_owned() else {
+            return refusal(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the server is serving as many WebSockets as it may; try again later",
+            );
+        };
         let max_frame = app.limits.max_request_bytes;
         let shared = app.ws.clone();
         return upgrade
@@ -105,7 +111,7 @@ pub async fn graphql_get(State(app): State<AppState>, request: Request) -> Respo
                 // The connection's loop gets a task of its own: axum's task
                 // around this callback would keep the socket's and the
                 // callback's storage for as long as the loop runs.
-                tokio::spawn(ws::serve(socket, protocol, shared));
+                tokio::spawn(ws::serve(socket, protocol, shared, slot));
                 std::future::ready(())
             });
     }

@@ -34,6 +34,8 @@ pub struct LocalAddr(pub std::net::SocketAddr);
 #[derive(Debug, Clone, Copy)]
 pub struct ConnectionLimits {
     pub header_read_timeout: Duration,
+    /// How long a new connection may take to send its first byte.
+    pub first_byte_timeout: Duration,
     pub keepalive_idle: Duration,
     pub max_connections: usize,
 }
@@ -42,6 +44,7 @@ impl ConnectionLimits {
     pub fn of(api: &ApiConfig) -> ConnectionLimits {
         ConnectionLimits {
             header_read_timeout: Duration::from_secs(api.header_read_timeout_secs),
+            first_byte_timeout: Duration::from_millis(api.first_byte_timeout_ms),
             keepalive_idle: Duration::from_secs(api.keepalive_idle_secs),
             max_connections: api.max_connections,
         }
@@ -108,6 +111,13 @@ async fn serve_connection(
     limits: ConnectionLimits,
     stopping: CancellationToken,
 ) {
+    // A connection that sends nothing holds its slot this long, not the
+    // whole header timeout: nothing is read, only waited for.
+    let mut first = [0u8; 1];
+    match tokio::time::timeout(limits.first_byte_timeout, tcp.peek(&mut first)).await {
+        Ok(Ok(n)) if n > 0 => {}
+        _ => return,
+    }
     let activity = Activity::new();
     let router = TowerToHyperService::new(app);
     // Handlers that serve loopback callers only (`/metrics`) read it.

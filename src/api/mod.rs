@@ -17,6 +17,7 @@ mod operations;
 mod operators;
 mod playground;
 pub mod query;
+mod quotas;
 pub mod rates;
 pub mod subscription;
 pub mod types;
@@ -173,6 +174,10 @@ impl AppState {
             limits: limits.clone(),
             fanout: fanout.clone(),
             admission: admission.clone(),
+            quotas: services.quotas.clone(),
+            sockets: Arc::new(tokio::sync::Semaphore::new(
+                services.config.api.websockets(),
+            )),
         });
         AppState {
             schema,

@@ -2,7 +2,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use async_graphql::{Context, ID, Subscription};
 use futures_util::{Stream, StreamExt};
-use tokio::sync::{OwnedSemaphorePermit, mpsc};
+use tokio::sync::mpsc;
 use tokio_stream::wrappers::UnboundedReceiverStream;
 
 use super::context::{services, viewer};
@@ -10,6 +10,7 @@ use super::error::{ApiError, ApiResult};
 use super::events::TransportEvent;
 use super::feed::{FeedRequest, follow};
 use super::query::parse_cursor;
+use super::quotas::SubscriptionPermit;
 use super::types::parse_id;
 use crate::store::reads;
 
@@ -21,11 +22,11 @@ type EventStream = std::pin::Pin<Box<dyn Stream<Item = ApiResult<TransportEvent>
 /// hand its feed and permit back here instead of following the feed
 /// (`api::fanout` follows it and renders what it yields).
 #[derive(Clone, Default)]
-pub struct Admission(Arc<Mutex<Option<(FeedRequest, OwnedSemaphorePermit)>>>);
+pub struct Admission(Arc<Mutex<Option<(FeedRequest, SubscriptionPermit)>>>);
 
 impl Admission {
     /// The admitted feed; `None` when the request was refused.
-    pub fn take(&self) -> Option<(FeedRequest, OwnedSemaphorePermit)> {
+    pub fn take(&self) -> Option<(FeedRequest, SubscriptionPermit)> {
         self.0.lock().unwrap_or_else(PoisonError::into_inner).take()
     }
 }
@@ -52,7 +53,7 @@ fn rendering(ctx: &Context<'_>) -> Option<EventStream> {
 }
 
 /// The admitted feed: followed here, or handed to the fan-out.
-fn serve(ctx: &Context<'_>, request: FeedRequest, permit: OwnedSemaphorePermit) -> EventStream {
+fn serve(ctx: &Context<'_>, request: FeedRequest, permit: SubscriptionPermit) -> EventStream {
     match ctx.data_opt::<Admission>() {
         Some(admission) => {
             *admission.0.lock().unwrap_or_else(PoisonError::into_inner) = Some((request, permit));
@@ -62,10 +63,11 @@ fn serve(ctx: &Context<'_>, request: FeedRequest, permit: OwnedSemaphorePermit) 
     }
 }
 
-/// The subscription's permit (`api.max_subscriptions`), held for as long as
-/// it is served.
-fn permit(ctx: &Context<'_>) -> ApiResult<OwnedSemaphorePermit> {
-    services(ctx)
+/// The subscription's permit (`api.max_subscriptions`, and its principal's
+/// and tenant's shares), held for as long as it is served.
+fn permit(ctx: &Context<'_>) -> ApiResult<SubscriptionPermit> {
+    let services = services(ctx);
+    let process = services
         .subscriptions
         .clone()
         .try_acquire_owned()
@@ -73,14 +75,18 @@ fn permit(ctx: &Context<'_>) -> ApiResult<OwnedSemaphorePermit> {
             ApiError::Unavailable(
                 "the server is serving as many subscriptions as it may; try again later".into(),
             )
-        })
+        })?;
+    let viewer = viewer(ctx)?;
+    services
+        .quotas
+        .subscription(&viewer.tenant, &viewer.principal, process)
 }
 
 fn to_transport(
     stream: impl Stream<Item = crate::store::Result<std::sync::Arc<crate::domain::event::Event>>>
     + Send
     + 'static,
-    permit: OwnedSemaphorePermit,
+    permit: SubscriptionPermit,
 ) -> EventStream {
     stream
         .map(move |item| {

@@ -30,6 +30,7 @@ use super::TetherSchema;
 use super::admission::DocumentAdmission;
 use super::auth::{Authenticator, Viewer};
 use super::fanout::{self, Frame, Plan};
+use super::quotas::{Quotas, Share};
 use crate::config::ApiConfig;
 use crate::store::Store;
 use crate::telemetry;
@@ -46,6 +47,10 @@ const CLOSE_INIT_TIMEOUT: u16 = 4408;
 const CLOSE_TOO_MANY_INITS: u16 = 4429;
 const CLOSE_BAD_FRAME: u16 = 1002;
 const CLOSE_TOO_LARGE: u16 = 1009;
+const CLOSE_NORMAL: u16 = 1000;
+/// RFC 6455's "try again later": the principal or tenant holds as many
+/// sockets as it may.
+const CLOSE_TRY_AGAIN_LATER: u16 = 1013;
 
 type Served = StreamMap<String, Pin<Box<dyn Stream<Item = Frame> + Send>>>;
 
@@ -67,6 +72,10 @@ pub struct Shared {
     pub(super) limits: Arc<ApiConfig>,
     pub(super) fanout: Arc<fanout::Fanout>,
     pub(super) admission: Arc<DocumentAdmission>,
+    pub(super) quotas: Arc<Quotas>,
+    /// One permit per WebSocket served (`api.max_websockets`), so that
+    /// sockets leave connections for HTTP requests and the probes.
+    pub(super) sockets: Arc<tokio::sync::Semaphore>,
 }
 
 /// The connection's loop, to be spawned as a task of its own.
@@ -80,6 +89,7 @@ pub fn serve(
     socket: WebSocket,
     protocol: WebSocketProtocols,
     shared: Arc<Shared>,
+    slot: tokio::sync::OwnedSemaphorePermit,
 ) -> impl Future<Output = ()> + Send + 'static {
     let open = telemetry::websocket_opened();
     let (sink, stream) = socket.split();
@@ -87,6 +97,7 @@ pub fn serve(
     async move {
         conversation.await;
         drop(open);
+        drop(slot);
     }
 }
 
@@ -106,6 +117,16 @@ async fn converse(
     let keepalive = sleep(keepalive_every);
     tokio::pin!(keepalive);
     let mut init = Init::Waiting;
+    // Keepalive intervals in a row with no operation, and how many close
+    // the socket.
+    let mut idle_ticks: u64 = 0;
+    let idle_limit = limits
+        .ws_idle_timeout_secs
+        .div_ceil(limits.ws_keepalive_secs.max(1))
+        .max(1);
+    // The principal's share of sockets, once acknowledged (boxed: every
+    // idle socket's future carries this).
+    let mut _share: Option<Box<Share>> = None;
     let mut operations = Operations::new(limits.ws_max_operations);
     let mut served: Served = StreamMap::new();
     let mut engine: Option<Box<Engine>> = None;
@@ -144,6 +165,7 @@ async fn converse(
                             true
                         }
                         Step::Serve(id, plan) => {
+                            idle_ticks = 0;
                             let Init::Accepted(viewer) = &init else { unreachable!("served once acknowledged") };
                             let operation = fanout::operation(
                                 shared.fanout.clone(),
@@ -158,11 +180,14 @@ async fn converse(
                             served.insert(id, operation);
                             true
                         }
-                        Step::Pass(text) => match (&mut engine, &init) {
-                            (Some(engine), _) => engine.pass(text),
-                            (None, Init::Accepted(viewer)) => engine.insert(Engine::start(&shared.schema, protocol, viewer)).pass(text),
-                            (None, _) => true,
-                        },
+                        Step::Pass(text) => {
+                            idle_ticks = 0;
+                            match (&mut engine, &init) {
+                                (Some(engine), _) => engine.pass(text),
+                                (None, Init::Accepted(viewer)) => engine.insert(Engine::start(&shared.schema, protocol, viewer)).pass(text),
+                                (None, _) => true,
+                            }
+                        }
                         Step::End { last, close } => {
                             if let Some(last) = last {
                                 send(&mut sink, Message::Text(last.into()), send_timeout).await;
@@ -184,6 +209,10 @@ async fn converse(
             },
             verified = verification(&mut init) => match verified {
                 Some(viewer) => {
+                    match shared.quotas.socket(&viewer.tenant, &viewer.principal) {
+                        Ok(share) => _share = Some(Box::new(share)),
+                        Err(refused) => break Some((CLOSE_TRY_AGAIN_LATER, refused.message().to_owned())),
+                    }
                     deadline.as_mut().reset(deadline_after(viewer.expires_in()));
                     init = Init::Accepted(viewer);
                     if !send(&mut sink, Message::Text(r#"{"type":"connection_ack"}"#.into()), send_timeout).await {
@@ -221,6 +250,14 @@ async fn converse(
             }),
             () = &mut keepalive, if accepted => {
                 keepalive.as_mut().reset(Instant::now() + keepalive_every);
+                if served.is_empty() && operations.in_engine.is_empty() {
+                    idle_ticks += 1;
+                    if idle_ticks >= idle_limit {
+                        break Some((CLOSE_NORMAL, format!("idle: no operation for {} s", limits.ws_idle_timeout_secs)));
+                    }
+                } else {
+                    idle_ticks = 0;
+                }
                 let ping = if legacy { r#"{"type":"ka"}"# } else { r#"{"type":"ping"}"# };
                 if !send(&mut sink, Message::Text(ping.into()), send_timeout).await {
                     break None;

@@ -422,8 +422,11 @@ async fn probe(url: &str, pools: &Pools) -> Result<()> {
             .map_err(|err| failed(crate::redact::message(&err.to_string())))?
             .create_if_missing(true);
         let file = options.get_filename().to_owned();
-        if !in_memory(url) {
-            create_private(&file).map_err(|err| failed(sqlite_file_failure(&err, &file)))?;
+        if !in_memory(url)
+            && let Err(err) = create_private(&file)
+        {
+            // SQLite's own open below fails the same way, and says why.
+            tracing::debug!(error = %err, "cannot create the database file ahead of SQLite");
         }
         let opened = tokio::time::timeout(within, options.connect()).await;
         return match opened {
@@ -705,10 +708,6 @@ fn create_private(file: &std::path::Path) -> std::io::Result<()> {
         Err(err) if err.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
         Err(err) => Err(err),
     }
-}
-
-fn sqlite_file_failure(err: &std::io::Error, file: &std::path::Path) -> String {
-    format!("cannot create the database file {}: {err}", file.display())
 }
 
 #[cfg(test)]

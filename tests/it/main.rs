@@ -38,6 +38,7 @@ mod runs;
 mod scale_out;
 mod schema_drift;
 mod secrets;
+mod shares;
 mod startup;
 mod subscriptions;
 mod tool_crash;

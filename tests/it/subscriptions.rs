@@ -417,7 +417,8 @@ async fn a_websocket_query_reads_one_snapshot_while_writers_commit() {
 #[tokio::test]
 async fn a_slow_subscriber_neither_loses_events_nor_delays_a_fast_one() {
     const SENDS: usize = 700; // 1,400 events: more than the bus's 1,024
-    let server = Server::with_api("ws_send_timeout_secs = 300").await;
+    // 700 messages at once: more than one person's rate allows.
+    let server = Server::with_api("ws_send_timeout_secs = 300\nmessages_per_minute = 0").await;
     let token = server.token("acme", "ada");
     let conversation = server.create_conversation(&token).await;
     let start = "0000000000000000";
