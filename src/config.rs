@@ -255,6 +255,9 @@ pub struct ApiConfig {
     pub read_connections: u32,
     /// The most of `ToolCall.fullOutput` one field returns, in bytes.
     pub max_full_output_bytes: usize,
+    /// The most of all `ToolCall.fullOutput`s one response carries; past
+    /// it they are cut with the same marker.
+    pub max_full_output_bytes_per_response: usize,
     /// How often the server pings an idle WebSocket.
     pub ws_keepalive_secs: u64,
     /// How long a new WebSocket may take to send `connection_init`.
@@ -338,6 +341,7 @@ impl Default for ApiConfig {
             request_timeout_secs: 30.0,
             read_connections: 8,
             max_full_output_bytes: 1024 * 1024,
+            max_full_output_bytes_per_response: 4 * 1024 * 1024,
             ws_keepalive_secs: 15,
             ws_init_timeout_secs: 10,
             ws_idle_timeout_secs: 600,
@@ -1149,6 +1153,11 @@ impl FileConfig {
         )?;
         at_least("api.read_connections", api.read_connections, 1)?;
         at_least("api.max_full_output_bytes", api.max_full_output_bytes, 1024)?;
+        at_least(
+            "api.max_full_output_bytes_per_response",
+            api.max_full_output_bytes_per_response,
+            1024,
+        )?;
         at_least("api.ws_max_operations", api.ws_max_operations, 1)?;
         for (key, value) in [
             (

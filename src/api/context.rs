@@ -60,6 +60,8 @@ impl Services {
 pub struct RequestSnapshot {
     shared: Arc<SharedSnapshot>,
     by_part: DataLoader<PartLoader>,
+    /// Bytes of `ToolCall.fullOutput` the response may still carry.
+    full_output_left: std::sync::atomic::AtomicUsize,
 }
 
 struct SharedSnapshot {
@@ -77,7 +79,7 @@ impl SharedSnapshot {
 }
 
 impl RequestSnapshot {
-    pub fn new(store: Store) -> RequestSnapshot {
+    pub fn new(store: Store, full_output_bytes: usize) -> RequestSnapshot {
         let shared = Arc::new(SharedSnapshot {
             store,
             tx: OnceCell::new(),
@@ -90,8 +92,29 @@ impl RequestSnapshot {
                 tokio::spawn,
             ),
             shared,
+            full_output_left: full_output_bytes.into(),
         }
     }
+
+    /// Takes up to `wanted` bytes of the response's `fullOutput` budget;
+    /// returns how many it got.
+    fn take_full_output(&self, wanted: usize) -> usize {
+        use std::sync::atomic::Ordering;
+        let taken =
+            self.full_output_left
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |left| {
+                    Some(left.saturating_sub(wanted))
+                });
+        let left = taken.unwrap_or_default();
+        left.min(wanted)
+    }
+}
+
+/// How much of a `fullOutput` of `wanted` bytes this response may carry:
+/// all of it while the response's budget (`api.max_full_output_bytes_per_response`)
+/// lasts, then less, then nothing.
+pub fn full_output_allowance(ctx: &Context<'_>, wanted: usize) -> ApiResult<usize> {
+    Ok(request_snapshot(ctx)?.take_full_output(wanted))
 }
 
 /// What a part shows, read for every part of a request at once.
@@ -188,11 +211,13 @@ pub async fn shown_by_part<S: ShownByPart>(
 /// Gives every query and mutation its one snapshot, whichever transport
 /// carries it, so that `lastCursor` is never older than the messages read
 /// beside it. Subscriptions live long and read a snapshot per event instead.
-pub struct Snapshots(pub Store);
+/// Gives every query and mutation its snapshot, with the response's
+/// `fullOutput` budget in bytes.
+pub struct Snapshots(pub Store, pub usize);
 
 impl ExtensionFactory for Snapshots {
     fn create(&self) -> Arc<dyn Extension> {
-        Arc::new(Snapshots(self.0.clone()))
+        Arc::new(Snapshots(self.0.clone(), self.1))
     }
 }
 
@@ -205,7 +230,7 @@ impl Extension for Snapshots {
         next: NextPrepareRequest<'_>,
     ) -> ServerResult<Request> {
         if operation_type(&mut request) != Some(OperationType::Subscription) {
-            request = request.data(RequestSnapshot::new(self.0.clone()));
+            request = request.data(RequestSnapshot::new(self.0.clone(), self.1));
         }
         next.run(ctx, request).await
     }

@@ -106,7 +106,10 @@ fn admitting_schema(services: Services, admission: &Arc<DocumentAdmission>) -> T
         .limit_recursive_depth(limits.max_document_nesting)
         .extension(ErrorCodes)
         .extension(EnumLiterals)
-        .extension(Snapshots(services.store.clone()))
+        .extension(Snapshots(
+            services.store.clone(),
+            limits.max_full_output_bytes_per_response,
+        ))
         .extension(QueryCost {
             timeout: limits.request_timeout(),
         })

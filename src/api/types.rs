@@ -4,7 +4,8 @@ use async_graphql::{Context, ID, Json, Object, Scalar, ScalarType, Value};
 use uuid::Uuid;
 
 use super::context::{
-    InteractionOfPart, ToolCallOfPart, services, shown_by_part, snapshot, viewer,
+    InteractionOfPart, ToolCallOfPart, full_output_allowance, services, shown_by_part, snapshot,
+    viewer,
 };
 use super::cost;
 use super::error::{ApiError, ApiResult};
@@ -351,14 +352,17 @@ impl ToolCall {
     }
 
     /// The whole output when `output` was truncated (its JSON text), cut
-    /// with a marker past the server's `max_full_output_bytes`.
+    /// with a marker past the server's `max_full_output_bytes`, or past
+    /// what the response may still carry of all its `fullOutput`s
+    /// (`max_full_output_bytes_per_response`).
     #[graphql(complexity = "cost::FULL_OUTPUT")]
-    async fn full_output(&self, ctx: &Context<'_>) -> Option<String> {
+    async fn full_output(&self, ctx: &Context<'_>) -> ApiResult<Option<String>> {
         let cap = services(ctx).config.api.max_full_output_bytes;
-        self.0
-            .full_output
-            .as_deref()
-            .map(|text| cost::capped(text, cap))
+        let Some(text) = self.0.full_output.as_deref() else {
+            return Ok(None);
+        };
+        let allowed = full_output_allowance(ctx, text.len().min(cap))?;
+        Ok(Some(cost::capped(text, allowed)))
     }
 
     /// EXECUTING commits so far; 0 = never started.

@@ -259,7 +259,7 @@ async fn full_output_is_capped_with_a_marker() {
     );
     let config = config.replacen(
         "[runtime]\n",
-        "[api]\nmax_full_output_bytes = 1024\n\n[runtime]\n",
+        "[api]\nmax_full_output_bytes = 1024\nmax_full_output_bytes_per_response = 2560\n\n[runtime]\n",
         1,
     );
     let server = Server::start_workers(&config).await;
@@ -277,6 +277,30 @@ async fn full_output_is_capped_with_a_marker() {
     assert!(head.starts_with("{\"text\":\"xxx"), "{head}");
     assert!(marker.starts_with("1024 of "), "{marker}");
     assert!(marker.ends_with(" bytes shown]"), "{marker}");
+
+    // Many of them in one response share its budget (2,560 bytes): 1,024
+    // each while it lasts, then what is left, then nothing but markers.
+    let aliases: String = (0..5)
+        .map(|i| format!("r{i}: run(id: $r) {{ toolCalls {{ fullOutput }} }} "))
+        .collect();
+    let data = server
+        .gql(
+            &token,
+            &format!("query($r: ID!) {{ {aliases} }}"),
+            serde_json::json!({ "r": run }),
+        )
+        .await;
+    let mut shown: Vec<usize> = (0..5)
+        .map(|i| {
+            let full = data[format!("r{i}")]["toolCalls"][0]["fullOutput"]
+                .as_str()
+                .unwrap();
+            let (head, _) = full.split_once("\n[truncated by the server: ").unwrap();
+            head.len()
+        })
+        .collect();
+    shown.sort_unstable();
+    assert_eq!(shown, vec![0, 0, 512, 1024, 1024], "{data}");
 }
 
 /// On PostgreSQL a table lock held by another session stalls the API's read
