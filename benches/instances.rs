@@ -47,6 +47,7 @@ const CLIENTS: usize = 16;
 const CONFIG: &str = r#"
 [runtime]
 concurrency = 32
+max_waiting_runs_per_principal = 0
 poll_ms = 1000
 checkpoint_ms = 250
 

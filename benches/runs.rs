@@ -64,6 +64,7 @@ fn config_toml() -> String {
         r#"
 [runtime]
 concurrency = {CONCURRENCY}
+max_waiting_runs_per_principal = 0
 poll_ms = 1000
 checkpoint_ms = {CHECKPOINT_MS}
 

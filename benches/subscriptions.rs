@@ -216,7 +216,7 @@ fn start(kind: Kind, workers: bool, stream_delay_ms: usize) -> Server {
         Kind::Tether => {
             let config = format!(
                 "default_agent = \"demo\"\n\
-                 [runtime]\nconcurrency = 8\n\
+                 [runtime]\nconcurrency = 8\nmax_waiting_runs_per_principal = 0\n\
                  [api]\nmax_connections = 60000\n\
                  messages_per_minute = 0\ntenant_messages_per_minute = 0\n\
                  conversations_per_minute = 0\ntenant_conversations_per_minute = 0\n\

@@ -102,6 +102,9 @@ pub struct RuntimeConfig {
     /// Runs of one tenant executing at once, over every instance; unset:
     /// no cap (claims still take tenants in turn).
     pub max_runs_per_tenant: Option<usize>,
+    /// Runs of one principal waiting to run (queued, or waiting for a
+    /// retry); a `sendMessage` past it is `RATE_LIMITED`. 0: no limit.
+    pub max_waiting_runs_per_principal: u64,
     /// How often workers look for runs without being woken.
     pub poll_ms: u64,
     /// How long shutdown waits for in-flight runs to reach a commit point.
@@ -123,6 +126,7 @@ impl Default for RuntimeConfig {
             crash_retry_budget: 3,
             concurrency: 16,
             max_runs_per_tenant: None,
+            max_waiting_runs_per_principal: 500,
             poll_ms: 1000,
             shutdown_grace_secs: 10.0,
             tool_concurrency: 4,

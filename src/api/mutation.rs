@@ -12,7 +12,7 @@ use crate::store::Actor;
 use crate::store::commands::{self, MaxAttempts, NewConversation, NewMessage};
 use crate::store::connections::{self, Owner};
 use crate::store::interactions::{self, Resolution};
-use crate::store::operations;
+use crate::store::{operations, reads};
 
 pub struct Mutation;
 
@@ -128,6 +128,19 @@ impl Mutation {
         services
             .rates
             .check(Action::SendMessage, &actor.tenant, &actor.principal)?;
+        let most = services.config.runtime.max_waiting_runs_per_principal;
+        if most > 0
+            && reads::waiting_runs_of(services.store.api_reads(), &actor.tenant, &actor.principal)
+                .await?
+                >= most
+        {
+            return Err(ApiError::RateLimited {
+                message: format!(
+                    "{most} runs of yours are waiting to run already; send again when some have started"
+                ),
+                retry_after_secs: 5,
+            });
+        }
         let config = services.config.clone();
         let max_attempts = MaxAttempts::ByAgent(Arc::new(move |agent| {
             config

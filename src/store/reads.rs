@@ -378,6 +378,25 @@ pub async fn interaction<C: ConnectionTrait>(
     owned::<interaction::Entity, _>(db, interaction::Column::Tenant, tenant, id).await
 }
 
+/// How many runs of `principal`'s are waiting to run (queued, or waiting
+/// for a retry).
+pub async fn waiting_runs_of<C: ConnectionTrait>(
+    db: &C,
+    tenant: &str,
+    principal: &str,
+) -> Result<u64> {
+    use sea_orm::PaginatorTrait;
+    Ok(run::Entity::find()
+        .filter(
+            run::Column::Status
+                .is_in([RunStatus::Queued.as_str(), RunStatus::RetryPending.as_str()]),
+        )
+        .filter(run::Column::Tenant.eq(tenant))
+        .filter(run::Column::Principal.eq(principal))
+        .count(db)
+        .await?)
+}
+
 /// An interaction of a run `actor` may act on (its own, or any of its
 /// tenant's for a delegate), in one statement; `None` for anyone else's, as
 /// for an id that does not exist.

@@ -111,3 +111,38 @@ async fn a_principal_past_its_rate_is_told_when_to_come_back_and_nothing_is_writ
     let (status, retry_after, body) = post(&server, &ada, CREATE, json!({})).await;
     assert_limited(status, retry_after, &body);
 }
+
+#[tokio::test]
+async fn a_principal_with_as_many_runs_waiting_as_allowed_is_told_to_wait() {
+    // No workers here: every run stays queued.
+    let server = Server::start_with(crate::support::ServerOptions {
+        config: format!(
+            "{}\n[runtime]\nmax_waiting_runs_per_principal = 2\n",
+            crate::support::BASE_CONFIG
+        ),
+        ..Default::default()
+    })
+    .await;
+    let ada = server.token("acme", "ada");
+    let conversation = server.create_conversation(&ada).await;
+    server.send(&ada, &conversation, "one").await;
+    server.send(&ada, &conversation, "two").await;
+    let (status, retry_after, body) = post(
+        &server,
+        &ada,
+        SEND,
+        json!({ "c": conversation, "t": "three" }),
+    )
+    .await;
+    assert_limited(status, retry_after, &body);
+    assert!(
+        body["errors"][0]["message"]
+            .as_str()
+            .unwrap()
+            .contains("waiting"),
+        "{body}"
+    );
+    // Bob's runs are his own count.
+    let bob = server.token("acme", "bob");
+    server.send(&bob, &conversation, "bob's").await;
+}

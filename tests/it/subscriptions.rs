@@ -417,8 +417,18 @@ async fn a_websocket_query_reads_one_snapshot_while_writers_commit() {
 #[tokio::test]
 async fn a_slow_subscriber_neither_loses_events_nor_delays_a_fast_one() {
     const SENDS: usize = 700; // 1,400 events: more than the bus's 1,024
-    // 700 messages at once: more than one person's rate allows.
-    let server = Server::with_api("ws_send_timeout_secs = 300\nmessages_per_minute = 0").await;
+    // 700 messages at once, and no worker to start their runs: more than
+    // one person's rate and waiting runs allow.
+    let server = Server::start_with(crate::support::ServerOptions {
+        config: format!(
+            "{}\n[runtime]\nmax_waiting_runs_per_principal = 0\n",
+            crate::support::base_config_with_api(
+                "ws_send_timeout_secs = 300\nmessages_per_minute = 0"
+            )
+        ),
+        ..Default::default()
+    })
+    .await;
     let token = server.token("acme", "ada");
     let conversation = server.create_conversation(&token).await;
     let start = "0000000000000000";
