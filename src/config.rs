@@ -126,7 +126,7 @@ impl Default for RuntimeConfig {
             crash_retry_budget: 3,
             concurrency: 16,
             max_runs_per_tenant: None,
-            max_waiting_runs_per_principal: 500,
+            max_waiting_runs_per_principal: 1_000,
             poll_ms: 1000,
             shutdown_grace_secs: 10.0,
             tool_concurrency: 4,
