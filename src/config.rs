@@ -634,6 +634,17 @@ impl AuthConfig {
                 "operator_issuers and operator_tenants restrict auth.operator_claim, which is not set",
             ));
         }
+        // Every accepted token carries `auth.issuer` when it is set: an
+        // operator issuer list without it would make no one an operator.
+        if let Some(issuer) = &self.issuer
+            && !self.operator_issuers.is_empty()
+            && !self.operator_issuers.contains(issuer)
+        {
+            return Err(invalid(
+                "auth.operator_issuers",
+                "every token carries auth.issuer, which this list leaves out: no token could be an operator's",
+            ));
+        }
         if self.delegation_claim.is_some() && self.delegation_claim == self.operator_claim {
             return Err(invalid(
                 "auth.delegation_claim",
@@ -1016,10 +1027,9 @@ impl FileConfig {
         }
     }
 
-    /// Where a tool's calls go (its method and URL), as configured now;
-    /// `None` for a tool without an HTTP target or no longer configured.
-    /// Where a tool sends its calls, as an operator may be shown it: the
-    /// method and the URL, its secrets masked (`redact::url`).
+    /// Where a tool's calls go, as an operator may be shown it: the method
+    /// and the URL, its secrets masked (`redact::url`); `None` for a tool
+    /// without an HTTP target or no longer configured.
     pub fn tool_target(&self, tool: &str) -> Option<String> {
         self.tools
             .iter()

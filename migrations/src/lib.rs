@@ -17,6 +17,7 @@ mod m0009_operator_actions;
 mod m0010_steering;
 mod m0011_grants_by_principal;
 mod m0012_operator_issuer;
+mod m0013_runs_by_owner;
 mod shape;
 
 pub struct Migrator;
@@ -37,6 +38,7 @@ impl MigratorTrait for Migrator {
             Box::new(m0010_steering::Migration),
             Box::new(m0011_grants_by_principal::Migration),
             Box::new(m0012_operator_issuer::Migration),
+            Box::new(m0013_runs_by_owner::Migration),
         ]
     }
 }

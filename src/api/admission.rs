@@ -51,6 +51,10 @@ pub const INLINE_BYTES: usize = 8 * 1024;
 /// blocking pool.
 pub const INLINE_NODES: usize = 2_000;
 
+/// Arguments one field may be given; no field of the schema takes more
+/// than a few.
+pub const MAX_ARGUMENTS: usize = 32;
+
 /// What a document may be.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DocumentLimits {
@@ -98,6 +102,8 @@ pub enum Refusal {
     TooManyNodes(usize),
     #[error("the query uses more than {0} aliases")]
     TooManyAliases(usize),
+    #[error("a field takes at most {0} arguments")]
+    TooManyArguments(usize),
     #[error("fragment \"{0}\" spreads itself")]
     Cycle(String),
     #[error("the server is admitting other long documents; try again")]
@@ -234,6 +240,14 @@ impl Expanded {
                 nesting: total.nesting.max(size.nesting),
             };
         }
+        // Validation walks every fragment definition as well, used or not,
+        // each expanded: their sizes count too (an unused one is refused by
+        // validation only after that walk).
+        for name in document.fragments.keys() {
+            if let Some(size) = walk.fragment(name)? {
+                total.nodes = total.nodes.saturating_add(size.nodes);
+            }
+        }
         if total.nesting > limits.max_nesting {
             return Err(Refusal::TooDeep(limits.max_nesting));
         }
@@ -281,7 +295,13 @@ impl<'a> Walk<'a> {
             let inner = match &item.node {
                 Selection::Field(field) => {
                     let field = &field.node;
+                    // Validation compares the arguments of fields of one
+                    // name pairwise, each by a linear search: few a field.
+                    if field.arguments.len() > MAX_ARGUMENTS {
+                        return Err(Refusal::TooManyArguments(MAX_ARGUMENTS));
+                    }
                     let node = Expanded {
+                        nodes: 1 + field.arguments.len(),
                         aliases: usize::from(field.alias.is_some()),
                         ..one
                     };
@@ -446,7 +466,13 @@ impl Extension for RequestAdmission {
         if let Some(expanded) = request.data.get(&TypeId::of::<Expanded>())
             && let Some(expanded) = expanded.downcast_ref::<Expanded>()
         {
-            self.nodes.store(expanded.nodes, Ordering::Relaxed);
+            // A long document is validated off the runtime too, whatever
+            // it expands to.
+            let nodes = match request.query.len() > INLINE_BYTES {
+                true => usize::MAX,
+                false => expanded.nodes,
+            };
+            self.nodes.store(nodes, Ordering::Relaxed);
         }
         next.run(ctx, request).await
     }
@@ -512,8 +538,11 @@ mod tests {
         assert_eq!(refused, Some(Refusal::TooManyNodes(50_000)));
         assert!(started.elapsed() < Duration::from_secs(1));
         let admitted = parse(&doubling(10), &limits()).expect("1,024 fields pass");
-        // 1,024 fields and 2,047 spreads.
-        assert_eq!(admitted.expanded.nodes, 1024 + 2047);
+        // 1,024 fields and 2,047 spreads from the operation, and each
+        // fragment's own expansion (3 × 2^(10-k) - 2 for F_k), which
+        // validation walks too.
+        let fragments: usize = (0..=10).map(|k| 3 * (1 << (10 - k)) - 2).sum();
+        assert_eq!(admitted.expanded.nodes, 1024 + 2047 + fragments);
         assert_eq!(admitted.expanded.nesting, 11);
     }
 
@@ -570,6 +599,31 @@ mod tests {
             parse(query, &small).is_ok(),
             "{:?}",
             parse(query, &small).err()
+        );
+    }
+
+    #[test]
+    fn unused_fragments_count_and_arguments_are_few() {
+        let strict = DocumentLimits {
+            max_nodes: 100,
+            ..limits()
+        };
+        // Nothing spreads U, but validation walks it expanded all the same.
+        let mut query = String::from("{ a } fragment U on Q { ...H ...H ...H }");
+        query.push_str(" fragment H on Q {");
+        for i in 0..40 {
+            query.push_str(&format!(" f{i}"));
+        }
+        query.push('}');
+        assert_eq!(
+            parse(&query, &strict).err(),
+            Some(Refusal::TooManyNodes(100))
+        );
+        let arguments: Vec<String> = (0..=MAX_ARGUMENTS).map(|i| format!("a{i}: 0")).collect();
+        let query = format!("{{ me({}) }}", arguments.join(", "));
+        assert_eq!(
+            parse(&query, &limits()).err(),
+            Some(Refusal::TooManyArguments(MAX_ARGUMENTS))
         );
     }
 

@@ -211,8 +211,7 @@ pub async fn shown_by_part<S: ShownByPart>(
 /// Gives every query and mutation its one snapshot, whichever transport
 /// carries it, so that `lastCursor` is never older than the messages read
 /// beside it. Subscriptions live long and read a snapshot per event instead.
-/// Gives every query and mutation its snapshot, with the response's
-/// `fullOutput` budget in bytes.
+/// The second field is the response's `fullOutput` budget, in bytes.
 pub struct Snapshots(pub Store, pub usize);
 
 impl ExtensionFactory for Snapshots {

@@ -224,8 +224,12 @@ async fn claim_in<C: ConnectionTrait>(
     // in its tenant (`turn`), in derived tables: PostgreSQL locks no row of
     // a query level that has a window function, and this leaves the level
     // that locks `r` without one.
+    // The level that locks `r` checks its status itself: PostgreSQL
+    // re-reads a row a concurrent claim changed only against this level's
+    // conditions, and the derived tables' would let it lock (and count
+    // against the limit) a run another claim took meanwhile.
     let capped = match slots.per_tenant {
-        Some(cap) => format!(" WHERE t.turn <= {cap}"),
+        Some(cap) => format!(" AND t.turn <= {cap}"),
         None => String::new(),
     };
     let sql = format!(
@@ -240,7 +244,7 @@ async fn claim_in<C: ConnectionTrait>(
                + ROW_NUMBER() OVER (PARTITION BY c.tenant ORDER BY c.ready, c.seq, c.id) AS turn \
              FROM (SELECT r.id, r.tenant, r.seq, {ready_since} AS ready \
                    FROM runs r WHERE {condition}) c\
-           ) t ON t.id = r.id{capped} \
+           ) t ON t.id = r.id WHERE r.status IN ('QUEUED', 'RETRY_PENDING'){capped} \
            ORDER BY t.turn, t.ready, t.seq, r.id \
            LIMIT {limit}{skip_locked}) \
          RETURNING {columns}"

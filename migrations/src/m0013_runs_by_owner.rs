@@ -1,0 +1,42 @@
+use sea_orm_migration::prelude::*;
+
+use crate::shape::index;
+
+#[derive(DeriveMigrationName)]
+pub struct Migration;
+
+/// A principal's and a tenant's runs by status: the runs of a principal
+/// waiting to run (`sendMessage`'s cap), a tenant's running runs (each
+/// claim's turns) and whose run a pause belongs to, without scanning every
+/// tenant's runs of that status.
+#[derive(DeriveIden)]
+enum Runs {
+    Table,
+    Tenant,
+    Principal,
+    Status,
+}
+
+#[async_trait::async_trait]
+impl MigrationTrait for Migration {
+    async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+        manager
+            .create_index(index(
+                "runs_owner_status",
+                Runs::Table,
+                [Runs::Tenant, Runs::Status, Runs::Principal],
+            ))
+            .await
+    }
+
+    async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+        manager
+            .drop_index(
+                Index::drop()
+                    .name("runs_owner_status")
+                    .table(Runs::Table)
+                    .to_owned(),
+            )
+            .await
+    }
+}
