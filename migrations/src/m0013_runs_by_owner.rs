@@ -5,10 +5,10 @@ use crate::shape::index;
 #[derive(DeriveMigrationName)]
 pub struct Migration;
 
-/// A principal's and a tenant's runs by status: the runs of a principal
-/// waiting to run (`sendMessage`'s cap), a tenant's running runs (each
-/// claim's turns) and whose run a pause belongs to, without scanning every
-/// tenant's runs of that status.
+/// A principal's runs by status: the runs of a principal waiting to run
+/// (`sendMessage`'s cap) and whose run a pause belongs to, without scanning
+/// every tenant's runs of that status. Led by the principal, so that no
+/// query without one (a conversation's active run) is planned on it.
 #[derive(DeriveIden)]
 enum Runs {
     Table,
@@ -24,7 +24,7 @@ impl MigrationTrait for Migration {
             .create_index(index(
                 "runs_owner_status",
                 Runs::Table,
-                [Runs::Tenant, Runs::Status, Runs::Principal],
+                [Runs::Principal, Runs::Status, Runs::Tenant],
             ))
             .await
     }
