@@ -344,10 +344,6 @@ impl<'a> Walk<'a> {
     }
 }
 
-/// Marks a request whose document was admitted, so that it is not admitted
-/// twice (a transport that admits before it executes).
-struct AdmittedMark;
-
 /// Where documents are admitted: the limits, and the turn that long
 /// documents wait for.
 pub struct DocumentAdmission {
@@ -423,13 +419,23 @@ impl DocumentAdmission {
     }
 }
 
+/// What an admitted request's document expands to; `None` for a request
+/// not admitted yet. Its presence marks the request admitted, so that a
+/// transport that admits before it executes is not admitted twice.
+fn admitted(request: &Request) -> Option<Expanded> {
+    request
+        .data
+        .get(&TypeId::of::<Expanded>())
+        .and_then(|expanded| expanded.downcast_ref::<Expanded>())
+        .copied()
+}
+
 fn is_admitted(request: &Request) -> bool {
-    request.data.contains_key(&TypeId::of::<AdmittedMark>())
+    admitted(request).is_some()
 }
 
 fn mark(request: &mut Request, admitted: Admitted) -> Expanded {
     request.set_parsed_query(admitted.document);
-    request.data.insert(AdmittedMark);
     request.data.insert(admitted.expanded);
     admitted.expanded
 }
@@ -463,9 +469,7 @@ impl Extension for RequestAdmission {
         next: NextPrepareRequest<'_>,
     ) -> ServerResult<Request> {
         self.admission.admit(&mut request).await?;
-        if let Some(expanded) = request.data.get(&TypeId::of::<Expanded>())
-            && let Some(expanded) = expanded.downcast_ref::<Expanded>()
-        {
+        if let Some(expanded) = admitted(&request) {
             // A long document is validated off the runtime too, whatever
             // it expands to.
             let nodes = match request.query.len() > INLINE_BYTES {

@@ -43,6 +43,14 @@ fn assert_limited(status: u16, retry_after: Option<String>, body: &Value) {
     assert_eq!(retry_after, Some(secs.to_string()));
 }
 
+/// A `sendMessage` that must be refused `RATE_LIMITED`; its message.
+async fn refused_send(server: &Server, token: &str, conversation: &str, text: &str) -> String {
+    let (status, retry_after, body) =
+        post(server, token, SEND, json!({ "c": conversation, "t": text })).await;
+    assert_limited(status, retry_after, &body);
+    body["errors"][0]["message"].as_str().unwrap().to_owned()
+}
+
 #[tokio::test]
 async fn a_principal_past_its_rate_is_told_when_to_come_back_and_nothing_is_written() {
     let server = Server::with_api(
@@ -56,14 +64,7 @@ async fn a_principal_past_its_rate_is_told_when_to_come_back_and_nothing_is_writ
             .send(&ada, &conversation, &format!("message {i}"))
             .await;
     }
-    let (status, retry_after, body) = post(
-        &server,
-        &ada,
-        SEND,
-        json!({ "c": conversation, "t": "one too many" }),
-    )
-    .await;
-    assert_limited(status, retry_after, &body);
+    refused_send(&server, &ada, &conversation, "one too many").await;
     let messages = server
         .gql(
             &ada,
@@ -85,21 +86,8 @@ async fn a_principal_past_its_rate_is_told_when_to_come_back_and_nothing_is_writ
     let bob = server.token("acme", "bob");
     server.send(&bob, &conversation, "bob's").await;
     server.send(&bob, &conversation, "bob's again").await;
-    let (status, retry_after, body) = post(
-        &server,
-        &bob,
-        SEND,
-        json!({ "c": conversation, "t": "past the tenant's" }),
-    )
-    .await;
-    assert_limited(status, retry_after, &body);
-    assert!(
-        body["errors"][0]["message"]
-            .as_str()
-            .unwrap()
-            .contains("one tenant"),
-        "{body}"
-    );
+    let message = refused_send(&server, &bob, &conversation, "past the tenant's").await;
+    assert!(message.contains("one tenant"), "{message}");
     // Another tenant is not held back by acme's.
     let eve = server.token("globex", "eve");
     let theirs = server.create_conversation(&eve).await;
@@ -127,21 +115,8 @@ async fn a_principal_with_as_many_runs_waiting_as_allowed_is_told_to_wait() {
     let conversation = server.create_conversation(&ada).await;
     server.send(&ada, &conversation, "one").await;
     server.send(&ada, &conversation, "two").await;
-    let (status, retry_after, body) = post(
-        &server,
-        &ada,
-        SEND,
-        json!({ "c": conversation, "t": "three" }),
-    )
-    .await;
-    assert_limited(status, retry_after, &body);
-    assert!(
-        body["errors"][0]["message"]
-            .as_str()
-            .unwrap()
-            .contains("waiting"),
-        "{body}"
-    );
+    let message = refused_send(&server, &ada, &conversation, "three").await;
+    assert!(message.contains("waiting"), "{message}");
     // Bob's runs are his own count.
     let bob = server.token("acme", "bob");
     server.send(&bob, &conversation, "bob's").await;
