@@ -330,7 +330,7 @@ impl Default for ApiConfig {
             max_title_chars: 200,
             max_request_bytes: 256 * 1024,
             max_query_depth: 16,
-            max_query_complexity: 50_000,
+            max_query_complexity: 500_000,
             max_aliases: 50,
             max_document_bytes: 256 * 1024,
             max_document_nesting: 32,

@@ -12,17 +12,35 @@ use async_graphql::extensions::{
 use async_graphql::parser::types::{ExecutableDocument, OperationType};
 use async_graphql::{Response, ServerError, ServerResult, Variables};
 
-/// What the complexity count assumes for lists with no argument that bounds
-/// them: a message's parts and a run's tool calls.
-pub const PARTS_PER_MESSAGE: i32 = 4;
-pub const TOOL_CALLS_PER_RUN: i32 = 4;
+use super::error::{ApiError, ApiResult};
 
-/// The page sizes of the paged list fields when the argument is absent or
-/// `null`: the complexity count and the resolver both use them.
+/// The page sizes of the list fields when their argument is absent or
+/// `null`: the complexity count and the resolver both use them, so that a
+/// list costs what it may return.
 pub const CONVERSATIONS_PAGE: i32 = 20;
 pub const EVENTS_PAGE: i32 = 500;
 pub const MESSAGES_PAGE: i32 = 100;
 pub const RUNS_PAGE: i32 = 100;
+pub const PARTS_PAGE: i32 = 100;
+pub const TOOL_CALLS_PAGE: i32 = 100;
+
+/// The largest page each kind of list field gives.
+pub const MAX_CONVERSATIONS_PAGE: i32 = 100;
+pub const MAX_EVENTS_PAGE: i32 = 1000;
+pub const MAX_PAGE: i32 = 500;
+
+/// A list argument read: `null` or absent is `default`; outside
+/// `0..=max` it is refused, naming the argument.
+pub fn page(name: &str, value: Option<i32>, default: i32, max: i32) -> ApiResult<usize> {
+    let value = value.unwrap_or(default);
+    match usize::try_from(value) {
+        Ok(size) if value <= max => Ok(size),
+        _ => Err(ApiError::bad_key(
+            name,
+            format!("{name} must be between 0 and {max}"),
+        )),
+    }
+}
 
 /// `ToolCall.fullOutput` may carry a mebibyte where another field carries a
 /// few bytes: it counts one unit per 16 KiB of the default cap, so that a

@@ -76,14 +76,12 @@ impl Query {
         #[graphql(default_with = "Some(cost::CONVERSATIONS_PAGE)")] first: Option<i32>,
         after: Option<String>,
     ) -> ApiResult<ConversationConnection> {
-        // `null` means the default, as an absent argument does.
-        let first = first.unwrap_or(cost::CONVERSATIONS_PAGE);
-        if !(0..=100).contains(&first) {
-            return Err(ApiError::bad_key(
-                "first",
-                "first must be between 0 and 100",
-            ));
-        }
+        let first = cost::page(
+            "first",
+            first,
+            cost::CONVERSATIONS_PAGE,
+            cost::MAX_CONVERSATIONS_PAGE,
+        )?;
         let after = match after {
             Some(text) => Some(
                 parse_id(&ID(text))
@@ -192,13 +190,7 @@ impl Query {
         after: Option<String>,
         #[graphql(default_with = "Some(cost::EVENTS_PAGE)")] first: Option<i32>,
     ) -> ApiResult<EventPage> {
-        let first = first.unwrap_or(cost::EVENTS_PAGE);
-        if !(0..=1000).contains(&first) {
-            return Err(ApiError::bad_key(
-                "first",
-                "first must be between 0 and 1000",
-            ));
-        }
+        let first = cost::page("first", first, cost::EVENTS_PAGE, cost::MAX_EVENTS_PAGE)?;
         let after = after.as_deref().map(parse_cursor).transpose()?;
         let conversation_id = parse_id(&conversation_id).ok_or(ApiError::NotFound)?;
         let tenant = &viewer(ctx)?.tenant;
@@ -214,8 +206,8 @@ impl Query {
             first as u64 + 1,
         )
         .await?;
-        let has_more = events.len() > first as usize;
-        events.truncate(first as usize);
+        let has_more = events.len() > first;
+        events.truncate(first);
         let end_cursor = events
             .last()
             .map(|e| e.cursor)

@@ -83,11 +83,7 @@ impl Conversation {
         #[graphql(default_with = "Some(cost::MESSAGES_PAGE)")] last: Option<i32>,
         before: Option<ID>,
     ) -> ApiResult<Vec<Message>> {
-        // `null` means the default, as an absent argument does.
-        let last = last.unwrap_or(cost::MESSAGES_PAGE);
-        if !(0..=500).contains(&last) {
-            return Err(ApiError::bad_key("last", "last must be between 0 and 500"));
-        }
+        let last = cost::page("last", last, cost::MESSAGES_PAGE, cost::MAX_PAGE)?;
         let before = match before {
             Some(id) => Some(parse_id(&id).ok_or(ApiError::NotFound)?),
             None => None,
@@ -113,10 +109,7 @@ impl Conversation {
         ctx: &Context<'_>,
         #[graphql(default_with = "Some(cost::RUNS_PAGE)")] last: Option<i32>,
     ) -> ApiResult<Vec<Run>> {
-        let last = last.unwrap_or(cost::RUNS_PAGE);
-        if !(0..=500).contains(&last) {
-            return Err(ApiError::bad_key("last", "last must be between 0 and 500"));
-        }
+        let last = cost::page("last", last, cost::RUNS_PAGE, cost::MAX_PAGE)?;
         let tenant = &viewer(ctx)?.tenant;
         let db = snapshot(ctx).await?;
         let rows = reads::runs_of(db, tenant, self.0.id, last as u64).await?;
@@ -198,10 +191,15 @@ impl Message {
         self.row.pos >= crate::store::commit::PENDING_POS
     }
 
-    /// The message's parts, in order.
-    #[graphql(complexity = "cost::list(cost::PARTS_PER_MESSAGE, child_complexity)")]
-    async fn parts(&self, ctx: &Context<'_>) -> ApiResult<Vec<Part>> {
-        let rows = match &self.parts {
+    /// The message's first `first` parts, in order.
+    #[graphql(complexity = "cost::list(first.unwrap_or(cost::PARTS_PAGE), child_complexity)")]
+    async fn parts(
+        &self,
+        ctx: &Context<'_>,
+        #[graphql(default_with = "Some(cost::PARTS_PAGE)")] first: Option<i32>,
+    ) -> ApiResult<Vec<Part>> {
+        let first = cost::page("first", first, cost::PARTS_PAGE, cost::MAX_PAGE)?;
+        let mut rows = match &self.parts {
             Some(rows) => rows.clone(),
             None => {
                 let tenant = &viewer(ctx)?.tenant;
@@ -212,6 +210,7 @@ impl Message {
                     .unwrap_or_default()
             }
         };
+        rows.truncate(first);
         Ok(rows.into_iter().map(Part).collect())
     }
 }
@@ -441,12 +440,18 @@ impl Run {
         self.0.steps
     }
 
-    /// The run's tool calls, in the order the model asked for them.
-    #[graphql(complexity = "cost::list(cost::TOOL_CALLS_PER_RUN, child_complexity)")]
-    async fn tool_calls(&self, ctx: &Context<'_>) -> ApiResult<Vec<ToolCall>> {
+    /// The run's first `first` tool calls, in the order the model asked
+    /// for them.
+    #[graphql(complexity = "cost::list(first.unwrap_or(cost::TOOL_CALLS_PAGE), child_complexity)")]
+    async fn tool_calls(
+        &self,
+        ctx: &Context<'_>,
+        #[graphql(default_with = "Some(cost::TOOL_CALLS_PAGE)")] first: Option<i32>,
+    ) -> ApiResult<Vec<ToolCall>> {
+        let first = cost::page("first", first, cost::TOOL_CALLS_PAGE, cost::MAX_PAGE)?;
         let tenant = &viewer(ctx)?.tenant;
         let db = snapshot(ctx).await?;
-        let rows = reads::tool_calls_of_run(db, tenant, self.0.id).await?;
+        let rows = reads::tool_calls_of_run(db, tenant, self.0.id, Some(first as u64)).await?;
         Ok(rows.into_iter().map(ToolCall).collect())
     }
 

@@ -312,17 +312,20 @@ pub fn run_status(row: &run::Model) -> Result<RunStatus> {
     parse_stored(&row.status, "run status")
 }
 
-/// A run's tool calls, in the order the model asked for them.
+/// A run's tool calls (its first `first`, when given), in the order the
+/// model asked for them.
 pub async fn tool_calls_of_run<C: ConnectionTrait>(
     db: &C,
     tenant: &str,
     run_id: Uuid,
+    first: Option<u64>,
 ) -> Result<Vec<tool_call::Model>> {
     Ok(tool_call::Entity::find()
         .filter(tool_call::Column::Tenant.eq(tenant))
         .filter(tool_call::Column::RunId.eq(run_id))
         .order_by(tool_call::Column::Step, Order::Asc)
         .order_by(tool_call::Column::Idx, Order::Asc)
+        .limit(first)
         .all(db)
         .await?)
 }
@@ -438,7 +441,7 @@ pub async fn interactions_of_run<C: ConnectionTrait>(
         .filter(interaction::Column::Status.eq(status))
         .all(db)
         .await?;
-    let order: HashMap<Uuid, (i32, i32)> = tool_calls_of_run(db, tenant, run_id)
+    let order: HashMap<Uuid, (i32, i32)> = tool_calls_of_run(db, tenant, run_id, None)
         .await?
         .into_iter()
         .map(|call| (call.id, (call.step, call.idx)))

@@ -90,14 +90,16 @@ async fn a_hundred_and_ten_aliases_are_refused_before_anything_runs() {
     assert!(data["conversation"]["activeRun"]["id"].is_string());
 }
 
-/// Everything a client shows of a conversation, as a reload asks for it.
+/// Everything a client shows of a conversation, as a reload asks for it:
+/// a tool call's `fullOutput` is read when someone opens it, not for every
+/// part of a hundred messages at once.
 const RELOAD: &str = r#"query($c: ID!) { conversation(id: $c) {
   id agent title createdAt lastCursor
   activeRun { id status endCause endReason cancelRequested attempt maxAttempts steps
     error { code message httpStatus retryable } usage { inputTokens outputTokens costUsd } }
   messages(last: 100) { id conversationId role runId createdAt
     parts { id messageId index kind state text data interactionId
-      toolCall { id runId step name input status outcome output outputTruncated fullOutput
+      toolCall { id runId step name input status outcome output outputTruncated
         attempt idempotencyKey startedAt endedAt }
       question { status questions { key prompt multiple allowOther options { value label description } }
         answers { key values other } }
@@ -138,6 +140,86 @@ async fn list_fields_cost_what_they_may_return() {
         .gql(&token, &runs(10), json!({ "c": conversation }))
         .await;
     assert_eq!(data["conversation"]["runs"], json!([]));
+
+    // A message's parts and a run's tool calls count by `first` (100 when
+    // absent): five runs' tool calls by default may be 500, past 1000.
+    let nested = |list: &str| format!("query($c: ID!) {{ conversation(id: $c) {{ {list} }} }}");
+    for (costly, cheap) in [
+        (
+            "runs(last: 5) { toolCalls { id name status } }",
+            "runs(last: 5) { toolCalls(first: 2) { id name status } }",
+        ),
+        (
+            "messages(last: 5) { parts { id kind text } }",
+            "messages(last: 5) { parts(first: 3) { id kind text } }",
+        ),
+    ] {
+        let err = server
+            .gql_error(&token, &nested(costly), json!({ "c": conversation }))
+            .await;
+        assert!(
+            err["message"].as_str().unwrap().contains("complex"),
+            "{costly}: {err}"
+        );
+        server
+            .gql(&token, &nested(cheap), json!({ "c": conversation }))
+            .await;
+    }
+}
+
+#[tokio::test]
+async fn parts_and_tool_calls_give_the_first_asked_for() {
+    let server = Server::start_workers(WORKER_CONFIG).await;
+    let token = server.token("acme", "ada");
+    let conversation = server.create_conversation(&token).await;
+    let text: Vec<String> = (0..3).map(|i| format!("/tool missing_{i} {{}}")).collect();
+    let (_, run) = server.send(&token, &conversation, &text.join("\n")).await;
+    let ended = server.wait_until_ended(&token, &run).await;
+    assert_eq!(ended["status"], "COMPLETED", "{ended}");
+
+    const CALLS: &str = "query($r: ID!, $n: Int) { run(id: $r) { toolCalls(first: $n) { name } } }";
+    let names = |data: &Value| -> Vec<String> {
+        data["run"]["toolCalls"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c["name"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    let all = server
+        .gql(&token, CALLS, json!({ "r": run, "n": null }))
+        .await;
+    assert_eq!(names(&all), ["missing_0", "missing_1", "missing_2"]);
+    let two = server.gql(&token, CALLS, json!({ "r": run, "n": 2 })).await;
+    assert_eq!(names(&two), ["missing_0", "missing_1"]);
+
+    const PARTS: &str = "query($c: ID!, $n: Int) { conversation(id: $c) { messages { role parts(first: $n) { index } } } }";
+    let reply = |data: &Value| -> usize {
+        let messages = data["conversation"]["messages"].as_array().unwrap();
+        let reply = messages.iter().find(|m| m["role"] == "ASSISTANT").unwrap();
+        reply["parts"].as_array().unwrap().len()
+    };
+    let every = server
+        .gql(&token, PARTS, json!({ "c": conversation, "n": null }))
+        .await;
+    assert!(reply(&every) > 1, "{every}");
+    let one = server
+        .gql(&token, PARTS, json!({ "c": conversation, "n": 1 }))
+        .await;
+    assert_eq!(reply(&one), 1, "{one}");
+
+    // Past the bounds: a typed error that names the argument.
+    for n in [-1, 501] {
+        for (query, vars) in [
+            (CALLS, json!({ "r": run, "n": n })),
+            (PARTS, json!({ "c": conversation, "n": n })),
+        ] {
+            let err = server.gql_error(&token, query, vars).await;
+            assert_eq!(err["extensions"]["code"], "BAD_USER_INPUT", "{err}");
+            assert_eq!(err["extensions"]["key"], "first", "{err}");
+            assert_eq!(err["message"], "first must be between 0 and 500", "{err}");
+        }
+    }
 }
 
 #[tokio::test]

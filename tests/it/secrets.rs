@@ -67,7 +67,7 @@ async fn tenant_view(server: &Server, token: &str, conversation: &str, run: &str
     let conversation_data = server
         .gql(
             token,
-            "query($c: ID!) { conversation(id: $c) { messages { role parts { kind state text data approval { toolName input summary } toolCall { output fullOutput } } } } }",
+            "query($c: ID!) { conversation(id: $c) { messages(last: 20) { role parts { kind state text data approval { toolName input summary } toolCall { output fullOutput } } } } }",
             json!({ "c": conversation }),
         )
         .await;

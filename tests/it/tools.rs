@@ -56,7 +56,7 @@ pub async fn tool_calls(server: &Server, token: &str, run: &str) -> Vec<Value> {
     let data = server
         .gql(
             token,
-            "query($r: ID!) { run(id: $r) { toolCalls { id runId step name input status outcome output outputTruncated fullOutput attempt idempotencyKey startedAt endedAt } } }",
+            "query($r: ID!) { run(id: $r) { toolCalls(first: 500) { id runId step name input status outcome output outputTruncated fullOutput attempt idempotencyKey startedAt endedAt } } }",
             json!({ "r": run }),
         )
         .await;

@@ -38,9 +38,10 @@ impl Steps<'_> {
         attempt: &mut Attempt,
     ) -> store::Result<Option<Vec<tool_call::Model>>> {
         let limits = &self.agent.limits;
-        let earlier = reads::tool_calls_of_run(self.store.db(), &self.run.tenant, self.run.id)
-            .await?
-            .len();
+        let earlier =
+            reads::tool_calls_of_run(self.store.db(), &self.run.tenant, self.run.id, None)
+                .await?
+                .len();
         let asked = std::mem::take(&mut attempt.calls);
         let over_limit = earlier + asked.len() > limits.max_tool_calls as usize;
         let calls = asked
@@ -204,7 +205,7 @@ impl Steps<'_> {
         let usage = attempt.usage(agent);
         let all = if stop::looks_at_calls(&agent.stop) {
             record_held().await?;
-            reads::tool_calls_of_run(store.db(), &self.run.tenant, self.run.id).await?
+            reads::tool_calls_of_run(store.db(), &self.run.tenant, self.run.id, None).await?
         } else {
             Vec::new()
         };

@@ -71,8 +71,11 @@ export const MessageFields = graphql(`
   }
 `);
 
-export const RunFields = graphql(`
-  fragment RunFields on Run {
+// What a run is, without its tool calls: a conversation's reload reads
+// those through its messages' parts, so that a hundred runs do not count
+// a hundred tool-call lists against the query's complexity.
+export const RunStateFields = graphql(`
+  fragment RunStateFields on Run {
     id
     conversationId
     status
@@ -94,6 +97,12 @@ export const RunFields = graphql(`
       outputTokens
       costUsd
     }
+  }
+`);
+
+export const RunFields = graphql(`
+  fragment RunFields on Run {
+    ...RunStateFields
     toolCalls {
       ...ToolCallFields
     }
@@ -112,7 +121,7 @@ export const ConversationQuery = graphql(`
         ...MessageFields
       }
       runs(last: 100) {
-        ...RunFields
+        ...RunStateFields
       }
     }
   }

@@ -12,6 +12,7 @@ import type {
   PendingConnectionQuery,
   PendingQuestionQuery,
   RunFieldsFragment,
+  RunStateFieldsFragment,
   RunStatus,
   ToolCallFieldsFragment,
 } from "../gql/graphql";
@@ -35,7 +36,7 @@ export interface RetryInfo {
   error: { code: string; message: string; httpStatus?: number | null };
 }
 
-export type RunView = Omit<RunFieldsFragment, "toolCalls"> & { retry: RetryInfo | null };
+export type RunView = RunStateFieldsFragment & { retry: RetryInfo | null };
 export type PartView = Omit<PartFieldsFragment, "toolCall"> & { toolCall: ToolCall | null };
 export interface MessageView {
   id: string;
@@ -88,7 +89,7 @@ interface MessageRecord {
 export interface SeedConversation {
   lastCursor: string;
   messages: MessageFieldsFragment[];
-  runs: RunFieldsFragment[];
+  runs: RunStateFieldsFragment[];
 }
 
 function stubRun(id: string, conversationId: string, status: RunStatus, at: string): RunView {
@@ -480,8 +481,8 @@ export class ConversationStore {
     if (message && !message.partIds.includes(part.id)) message.partIds.push(part.id);
   }
 
-  private upsertRun(run: RunFieldsFragment): void {
-    const { toolCalls, ...rest } = run;
+  private upsertRun(run: RunStateFieldsFragment & { toolCalls?: ToolCall[] }): void {
+    const { toolCalls = [], ...rest } = run;
     for (const call of toolCalls) this.toolCalls.set(call.id, call);
     const known = this.runs.get(run.id);
     // An ended run stays ended, whatever an older read says.
