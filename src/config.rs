@@ -117,6 +117,13 @@ pub struct RuntimeConfig {
     pub history_cache_mib: u64,
 }
 
+impl RuntimeConfig {
+    /// How long a claim or a heartbeat makes a lease last, in milliseconds.
+    pub fn lease_ms(&self) -> i64 {
+        (self.lease_secs * 1000.0) as i64
+    }
+}
+
 impl Default for RuntimeConfig {
     fn default() -> Self {
         RuntimeConfig {

@@ -25,6 +25,7 @@ pub const RUNS: &str = "tether_runs";
 pub const QUEUE_DEPTH: &str = "tether_queue_depth";
 pub const QUEUE_OLDEST_AGE: &str = "tether_queue_oldest_age_seconds";
 pub const RUNS_CLAIMED: &str = "tether_runs_claimed_total";
+pub const LEASE_SWEEPS: &str = "tether_lease_sweeps_total";
 pub const CLAIM_DURATION: &str = "tether_claim_duration_seconds";
 pub const STEP_DURATION: &str = "tether_step_duration_seconds";
 pub const INFERENCE_DURATION: &str = "tether_inference_duration_seconds";
@@ -66,6 +67,7 @@ pub fn install() -> Option<&'static PrometheusHandle> {
             describe();
             // The families without labels are shown from the start, at zero.
             counter!(RUNS_CLAIMED).increment(0);
+            counter!(LEASE_SWEEPS).increment(0);
             counter!(SUBSCRIBER_CATCH_UPS).increment(0);
             gauge!(WEBSOCKETS).increment(0.0);
             Some(handle)
@@ -112,6 +114,10 @@ fn describe() {
         "Age of the oldest QUEUED run (0 when none)."
     );
     describe_counter!(RUNS_CLAIMED, "Runs this process's workers claimed.");
+    describe_counter!(
+        LEASE_SWEEPS,
+        "Sweeps for runs whose lease ran out that reached the database."
+    );
     describe_histogram!(
         CLAIM_DURATION,
         Unit::Seconds,
@@ -201,6 +207,11 @@ pub fn committed(events: &[Event], tally: &Tally) {
 pub struct Tally {
     pub runs_ended: Vec<(RunStatus, EndCause)>,
     pub tool_outcomes: Vec<(String, ToolOutcome)>,
+}
+
+/// A sweep for leases that ran out went through.
+pub fn swept() {
+    counter!(LEASE_SWEEPS).increment(1);
 }
 
 pub fn claimed(runs: usize, took: Duration) {

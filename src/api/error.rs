@@ -88,6 +88,7 @@ impl From<store::Error> for ApiError {
             | store::Error::Corrupt(_)
             | store::Error::WriteFailed(_)
             | store::Error::Fenced
+            | store::Error::Lapsed
             | store::Error::CancelRequested) => {
                 tracing::error!(error = %err, "store failure");
                 ApiError::Internal

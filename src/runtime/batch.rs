@@ -27,6 +27,7 @@ use crate::failpoints;
 use crate::store::commit::{self, Lease};
 use crate::store::entities::{run, tool_call};
 use crate::store::interactions::{self, ApprovalRequest, Decided, Take};
+use crate::store::queue::{self, Heartbeat};
 use crate::store::tool_calls::{self, Finished, Outcome, Verdict};
 use crate::store::{self, Store};
 use crate::telemetry;
@@ -63,7 +64,13 @@ pub struct Runner<'a> {
     pub retry: RetryPolicy,
     pub max_inline_bytes: usize,
     pub concurrency: usize,
+    /// How long a lease lasts when renewed.
+    pub lease_ms: i64,
 }
+
+/// How often a call's result is tried again while the database is away.
+const RESULT_AGAIN: RetryPolicy =
+    RetryPolicy::unbounded(Duration::from_millis(100), Duration::from_secs(2));
 
 /// What the calls of one batch share while they run.
 struct Batch {
@@ -385,9 +392,50 @@ impl Runner<'_> {
 
     /// Commits what a started call came to.
     pub async fn record(&self, finished: Finished) -> store::Result<()> {
-        self.whole(move |s, l| async move { tool_calls::record(&s, &l, finished).await })
-            .await?;
+        self.durably(move |s, l| {
+            let finished = finished.clone();
+            async move { tool_calls::record(&s, &l, finished).await }
+        })
+        .await?;
         Ok(())
+    }
+
+    /// Runs a commit that carries a call's result (`whole`) until the
+    /// database takes it: the effect happened, and an outage must not lose
+    /// what it came to. While the database cannot be reached it is tried
+    /// again; a lease that ran out meanwhile is renewed first (it is still
+    /// this worker's while nobody moved the run on), and one that moved on
+    /// is `Fenced`.
+    pub async fn durably<T, F, Fut>(&self, operation: F) -> store::Result<T>
+    where
+        F: Fn(Store, Lease) -> Fut,
+        Fut: Future<Output = store::Result<T>> + Send + 'static,
+        T: Send + 'static,
+    {
+        let mut failures = 0;
+        loop {
+            let err = match self.whole(&operation).await {
+                Err(store::Error::Lapsed) => {
+                    match queue::heartbeat(self.store, self.lease, self.lease_ms).await {
+                        Ok(Heartbeat::Renewed { .. }) => continue,
+                        Ok(Heartbeat::Lost) => return Err(store::Error::Fenced),
+                        Err(err) => err,
+                    }
+                }
+                Err(err) => err,
+                done => return done,
+            };
+            if !err.is_unreachable() {
+                return Err(err);
+            }
+            failures += 1;
+            tracing::warn!(
+                error = %err,
+                run_id = %self.lease.run_id,
+                "the database is away; a call's result waits to be committed"
+            );
+            tokio::time::sleep(RESULT_AGAIN.delay(failures, None, fastrand::f64())).await;
+        }
     }
 
     /// Whether a standing grant covers this tool for the run.

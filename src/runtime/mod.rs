@@ -86,6 +86,11 @@ impl Controls {
         self.lock().is_empty()
     }
 
+    /// The runs this process is executing now.
+    fn runs(&self) -> Vec<Uuid> {
+        self.lock().keys().copied().collect()
+    }
+
     fn stop(&self, run_id: Uuid, reason: Stop) {
         if let Some(control) = self.lock().get(&run_id) {
             control.stop(reason);
@@ -128,7 +133,7 @@ async fn dispatch(
 ) {
     let rt = &config.runtime;
     let budget = rt.crash_retry_budget;
-    let lease_ms = (rt.lease_secs * 1000.0) as i64;
+    let lease_ms = rt.lease_ms();
     if options.sole_owner {
         match queue::reclaim(&store, Reclaim::All, budget).await {
             Ok(0) => {}
@@ -236,8 +241,13 @@ async fn dispatch(
             () = store.bus().run_queued() => {}
             () = &mut polled => {}
             _ = reap.tick() => {
-                if let Err(err) = queue::reclaim(&store, Reclaim::Expired, budget).await {
-                    tracing::warn!(error = %err, "recovering expired leases failed");
+                // Never a run this process executes: its heartbeat renews
+                // a lease that ran out while the database was away.
+                let executing = controls.runs();
+                let swept = queue::reclaim(&store, Reclaim::Expired { executing: &executing }, budget).await;
+                match swept {
+                    Ok(_) => telemetry::swept(),
+                    Err(err) => tracing::warn!(error = %err, "recovering expired leases failed"),
                 }
                 // Questions and approvals nobody resolved in time end their
                 // wait, and their runs go on.
@@ -317,7 +327,7 @@ async fn hold(
 ) {
     let lease = Lease::of(&claimed.run);
     let rt = &config.runtime;
-    let lease_ms = (rt.lease_secs * 1000.0) as i64;
+    let lease_ms = rt.lease_ms();
     let every = Duration::from_secs_f64(rt.heartbeat_secs);
     let heartbeat = {
         let (store, control, lease) = (store.clone(), control.clone(), lease.clone());

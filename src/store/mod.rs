@@ -1,6 +1,7 @@
 //! Persistence: the connection, write transactions that append events, and
 //! the reads the API and the runtime share. Backend differences live here.
 
+pub mod clock;
 pub mod commands;
 pub mod commit;
 pub mod connections;
@@ -45,6 +46,12 @@ pub enum Error {
     /// written, and the caller must stop working on the run.
     #[error("the lease on this run is no longer held")]
     Fenced,
+    /// The caller's lease ran out on the database's clock (the database
+    /// could not be reached for longer than a lease, or the worker
+    /// stalled), though nobody took the run: nothing was written. The
+    /// caller renews it (`queue::heartbeat`) before it writes, or stops.
+    #[error("the lease on this run ran out")]
+    Lapsed,
     /// Input refused before anything changed, naming the field when there
     /// is one.
     #[error("{message}")]

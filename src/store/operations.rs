@@ -166,13 +166,15 @@ pub async fn stuck_runs(store: &Store, queued_longer_than: Duration) -> Result<V
     let now = now_millis();
     let mut stuck = Vec::new();
 
+    // Leases run out on the database's clock.
+    let db_now = super::clock::now(db).await?;
     let expired = run::Entity::find()
         .filter(run::Column::Status.eq(RunStatus::Running.as_str()))
-        .filter(run::Column::LeaseExpiresAt.lt(now))
+        .filter(run::Column::LeaseExpiresAt.lt(db_now))
         .all(db)
         .await?;
     stuck.extend(expired.into_iter().map(|run| StuckRun {
-        since: run.lease_expires_at.unwrap_or(now),
+        since: run.lease_expires_at.unwrap_or(db_now),
         run,
         why: Stuck::LeaseExpired,
     }));

@@ -3,6 +3,7 @@
 //! fenced by the epoch the claim gave it (see `store::runs`).
 
 use sea_orm::ActiveValue::Set;
+use sea_orm::sea_query::Expr;
 use sea_orm::{
     ColumnTrait, ConnectionTrait, DatabaseBackend, EntityTrait, IdenStatic, Iterable, QueryFilter,
     QueryOrder, QuerySelect, Statement, Value,
@@ -10,6 +11,7 @@ use sea_orm::{
 
 use uuid::Uuid;
 
+use super::clock;
 use super::commit::{self, Begun, Lease, Log, WriteTx, Writes};
 use super::entities::{run, run_audit};
 use super::reads::Claimable;
@@ -214,8 +216,9 @@ async fn claim_in<C: ConnectionTrait>(
         .map(|c| format!("runs.{}", c.as_str()))
         .collect::<Vec<_>>()
         .join(", ");
-    let (p_owner, p_expires, p_claimed, p_started, p_due) =
-        (param(), param(), param(), param(), param());
+    let (p_owner, p_claimed, p_started, p_due) = (param(), param(), param(), param());
+    // The lease runs out on the database's clock (`store::clock`).
+    let expires = format!("{} + {lease_ms}", clock::now_sql(backend));
     let Claimable {
         condition,
         ready_since,
@@ -234,7 +237,7 @@ async fn claim_in<C: ConnectionTrait>(
     };
     let sql = format!(
         "UPDATE runs SET status = 'RUNNING', lease_owner = {p_owner}, \
-         lease_epoch = lease_epoch + 1, lease_expires_at = {p_expires}, \
+         lease_epoch = lease_epoch + 1, lease_expires_at = {expires}, \
          claimed_at = {p_claimed}, started_at = COALESCE(started_at, {p_started}), \
          next_attempt_at = NULL, attempt = CASE WHEN attempt = 0 THEN 1 ELSE attempt END \
          WHERE status IN ('QUEUED', 'RETRY_PENDING') AND id IN (\
@@ -249,13 +252,7 @@ async fn claim_in<C: ConnectionTrait>(
            LIMIT {limit}{skip_locked}) \
          RETURNING {columns}"
     );
-    let values: Vec<Value> = vec![
-        owner.into(),
-        (now + lease_ms).into(),
-        now.into(),
-        now.into(),
-        now.into(),
-    ];
+    let values: Vec<Value> = vec![owner.into(), now.into(), now.into(), now.into()];
     let mut claimed = run::Entity::find()
         .from_raw_sql(Statement::from_sql_and_values(backend, sql, values))
         .all(db)
@@ -274,20 +271,23 @@ pub enum Heartbeat {
     Lost,
 }
 
-/// Renews a lease that has not yet run out. One that has is lost even if
-/// nobody took it yet: the sweep may already have listed it as stale.
+/// Renews a lease, on the database's clock, while the run is still
+/// `RUNNING` under its epoch: one that ran out while the database could not
+/// be reached is renewed too, since nobody took it. A sweep that listed it
+/// as stale meanwhile checks again under the run's lock (`recover`) and
+/// leaves a renewed lease alone; one that took it first moved the run on,
+/// and this lease is lost.
 pub async fn heartbeat(store: &Store, lease: &Lease, lease_ms: i64) -> Result<Heartbeat> {
     let _lane = store.write_lane().await;
-    let now = now_millis();
+    let backend = store.db().get_database_backend();
     let rows = run::Entity::update_many()
         .col_expr(
             run::Column::LeaseExpiresAt,
-            sea_orm::sea_query::Expr::value(now + lease_ms),
+            Expr::cust(format!("{} + {lease_ms}", clock::now_sql(backend))),
         )
         .filter(run::Column::Id.eq(lease.run_id))
         .filter(run::Column::LeaseEpoch.eq(lease.epoch))
         .filter(run::Column::Status.eq(RunStatus::Running.as_str()))
-        .filter(run::Column::LeaseExpiresAt.gte(now))
         .exec_with_returning(store.db())
         .await?;
     Ok(match rows.first() {
@@ -301,8 +301,10 @@ pub async fn heartbeat(store: &Store, lease: &Lease, lease_ms: i64) -> Result<He
 /// Which running runs to recover.
 #[derive(Debug, Clone, Copy)]
 pub enum Reclaim<'a> {
-    /// Leases that ran out.
-    Expired,
+    /// Leases that ran out on the database's clock, but for those of the
+    /// runs this process is executing (`executing`): their heartbeat
+    /// renews them once the database answers again.
+    Expired { executing: &'a [Uuid] },
     /// Every running run: only for a process that holds the database's
     /// exclusive lock (embedded SQLite), so that nobody else can hold one.
     All,
@@ -360,13 +362,18 @@ pub async fn held_by(store: &Store, owner: &str) -> Result<Vec<Held>> {
 /// crash retry budget; a run over budget ends `FAILED` with
 /// `RECOVERY_LIMIT`. Returns how many runs were recovered or ended.
 pub async fn reclaim(store: &Store, which: Reclaim<'_>, budget: u32) -> Result<usize> {
-    let now = now_millis();
+    let backend = store.db().get_database_backend();
     let mut query = run::Entity::find()
         .filter(run::Column::Status.eq(RunStatus::Running.as_str()))
         .order_by_asc(run::Column::Id)
         .limit(200);
     query = match which {
-        Reclaim::Expired => query.filter(run::Column::LeaseExpiresAt.lt(now)),
+        Reclaim::Expired { executing } => query
+            .filter(sea_orm::sea_query::ExprTrait::lt(
+                Expr::col(run::Column::LeaseExpiresAt),
+                clock::now_expr(backend),
+            ))
+            .filter(run::Column::Id.is_not_in(executing.iter().copied())),
         Reclaim::All => query,
         Reclaim::Unrenewed(held) => {
             query.filter(run::Column::Id.is_in(held.iter().map(|h| h.run_id)))
@@ -404,7 +411,7 @@ pub async fn abandon(store: &Store, lease: &Lease, budget: Option<u32>) -> Resul
 /// listing is stale by then, and a lease renewed since must stay.
 fn still_stale(row: &run::Model, which: Reclaim<'_>, now: i64) -> bool {
     match which {
-        Reclaim::Expired => row.lease_expires_at.is_some_and(|at| at < now),
+        Reclaim::Expired { .. } => row.lease_expires_at.is_some_and(|at| at < now),
         Reclaim::All => true,
         Reclaim::Unrenewed(held) => held.iter().any(|h| {
             h.run_id == row.id && h.epoch == row.lease_epoch && h.expires_at == row.lease_expires_at
@@ -436,7 +443,8 @@ async fn recover(
     else {
         return Ok(false);
     };
-    let now = now_millis();
+    // The database's time: leases are on its clock.
+    let now = clock::now(&*tx).await?;
     if which.is_some_and(|which| !still_stale(&row, which, now)) {
         return Ok(false);
     }
@@ -645,9 +653,14 @@ mod tests {
         let mut listed = claimed.clone();
         listed.lease_expires_at = Some(now_millis() - 1);
         assert!(
-            !recover(&store, listed, Some(Reclaim::Expired), Some(3))
-                .await
-                .unwrap()
+            !recover(
+                &store,
+                listed,
+                Some(Reclaim::Expired { executing: &[] }),
+                Some(3)
+            )
+            .await
+            .unwrap()
         );
         let row = run::Entity::find_by_id(queued.id)
             .one(store.db())

@@ -5,7 +5,6 @@
 
 use std::time::{Duration, Instant};
 
-use sea_orm::ConnectionTrait;
 use serde_json::{Value, json};
 
 use crate::support::{Server, WORKER_CONFIG, WsClient};
@@ -118,7 +117,7 @@ async fn a_fragment_bomb_is_refused_at_once_while_probes_and_runs_go_on() {
 
     let ended = server.wait_until_ended(&token, &run).await;
     assert_eq!(ended["status"], "COMPLETED", "{ended}");
-    let recoveries = recoveries(&server, &run).await;
+    let recoveries = server.recoveries(&run).await;
     assert_eq!(recoveries, 0, "the run kept its lease throughout");
 }
 
@@ -191,26 +190,4 @@ async fn long_documents_and_large_expansions_are_admitted_off_the_runtime_and_an
         err["message"], "the document is longer than 49152 bytes",
         "{body}"
     );
-}
-
-async fn recoveries(server: &Server, run: &str) -> i64 {
-    let db = sea_orm::Database::connect(server.database_url())
-        .await
-        .unwrap();
-    let backend = db.get_database_backend();
-    let row = db
-        .query_one_raw(sea_orm::Statement::from_sql_and_values(
-            backend,
-            match backend {
-                sea_orm::DatabaseBackend::Postgres => "SELECT recoveries FROM runs WHERE id = $1",
-                _ => "SELECT recoveries FROM runs WHERE id = ?",
-            },
-            [uuid::Uuid::parse_str(run).unwrap().into()],
-        ))
-        .await
-        .unwrap()
-        .expect("the run's row");
-    let recoveries: i32 = row.try_get("", "recoveries").unwrap();
-    db.close().await.unwrap();
-    i64::from(recoveries)
 }

@@ -14,6 +14,7 @@
 //! | `/slow` | answers only once `slow_until` requests have arrived in all |
 //! | `/held` | the first request is recorded (its effect done) and held until the client goes; later ones as `/effect` |
 //! | `/redirect` | 307 to the URL given to `redirect_to` |
+//! | `/gated` | as `/effect`, answered once the test opens the gate (`open_gate`) |
 //! | `/endless` | 200 with a body that never ends (chunks of `x` until the client goes) |
 
 use std::collections::HashMap;
@@ -55,6 +56,7 @@ struct Shared {
     changed: Notify,
     slow_until: Mutex<usize>,
     redirect_to: Mutex<String>,
+    gate_open: Mutex<bool>,
 }
 
 pub struct Downstream {
@@ -77,6 +79,12 @@ impl Downstream {
     /// `/slow` answers once this many requests have arrived in all.
     pub fn slow_until(&self, requests: usize) {
         *self.shared.slow_until.lock().unwrap() = requests;
+    }
+
+    /// Lets every `/gated` request, held or to come, have its answer.
+    pub fn open_gate(&self) {
+        *self.shared.gate_open.lock().unwrap() = true;
+        self.shared.changed.notify_waiters();
     }
 
     /// Where `/redirect` points.
@@ -236,6 +244,17 @@ async fn handle(
                 }
             }
             axum::Json(json!({ "slow": "done" })).into_response()
+        }
+        "gated" => {
+            let result = effect(&shared, key, body);
+            loop {
+                let changed = shared.changed.notified();
+                if *shared.gate_open.lock().unwrap() {
+                    break;
+                }
+                changed.await;
+            }
+            result.into_response()
         }
         "held" => {
             let result = effect(&shared, key, body);

@@ -564,6 +564,49 @@ impl Server {
         &self.db.url
     }
 
+    /// One value of a run's row, read from the database itself: `column`
+    /// (an SQL expression over `runs`) as `i64`.
+    async fn run_value(&self, run: &str, column: &str) -> i64 {
+        use sea_orm::ConnectionTrait;
+        let db = sea_orm::Database::connect(self.database_url())
+            .await
+            .unwrap();
+        let backend = db.get_database_backend();
+        let placeholder = match backend {
+            sea_orm::DatabaseBackend::Postgres => "$1",
+            _ => "?",
+        };
+        let row = db
+            .query_one_raw(sea_orm::Statement::from_sql_and_values(
+                backend,
+                format!("SELECT CAST({column} AS BIGINT) AS v FROM runs WHERE id = {placeholder}"),
+                [Uuid::parse_str(run).unwrap().into()],
+            ))
+            .await
+            .unwrap()
+            .expect("the run's row");
+        let value: i64 = row.try_get("", "v").unwrap();
+        db.close().await.unwrap();
+        value
+    }
+
+    /// How many times the run was recovered after losing its worker.
+    pub async fn recoveries(&self, run: &str) -> i64 {
+        self.run_value(run, "recoveries").await
+    }
+
+    /// Whether the run's lease has run out on the database's clock.
+    pub async fn lease_ran_out(&self, run: &str) -> bool {
+        let backend = if on_postgres() {
+            sea_orm::DatabaseBackend::Postgres
+        } else {
+            sea_orm::DatabaseBackend::Sqlite
+        };
+        let now = tether::store::clock::now_sql(backend);
+        let ran_out = format!("CASE WHEN lease_expires_at < {now} THEN 1 ELSE 0 END");
+        self.run_value(run, &ran_out).await == 1
+    }
+
     pub fn token(&self, tenant: &str, sub: &str) -> String {
         self.auth
             .mint(tenant, sub, Duration::from_secs(3600))

@@ -19,6 +19,7 @@ pub const TOOLS: &[(&str, &str, &str, u64)] = &[
     ("slow", "idempotent", "slow", 30),
     ("held", "idempotent", "held", 30),
     ("held_once", "never_replay", "held", 30),
+    ("gated", "idempotent", "gated", 60),
     ("hang_briefly", "never_replay", "hang", 1),
 ];
 

@@ -223,7 +223,9 @@ async fn a_worker_whose_lease_was_taken_over_commits_nothing() {
     // Worker A stalls; its lease runs out and the reaper re-queues the run.
     expire_lease(&store, first.id, 0).await;
     assert_eq!(
-        queue::reclaim(&store, Reclaim::Expired, 3).await.unwrap(),
+        queue::reclaim(&store, Reclaim::Expired { executing: &[] }, 3)
+            .await
+            .unwrap(),
         1
     );
     let second = claim_one(&store, "worker-b").await;
@@ -273,6 +275,67 @@ async fn a_worker_whose_lease_was_taken_over_commits_nothing() {
         .unwrap();
 }
 
+/// A lease that ran out while nobody took the run (the database was
+/// away longer than a lease): no commit goes through under it, its own
+/// worker's heartbeat renews it, and its own process's sweep leaves it.
+#[tokio::test]
+async fn a_lapsed_lease_writes_nothing_until_its_heartbeat_renews_it() {
+    let db = TestDb::new().await;
+    let store = store(&db).await;
+    let conversation_id = conversation(&store).await;
+    send(&store, conversation_id, "hello").await;
+    let claimed = claim_one(&store, "worker-a").await;
+    let lease = Lease::of(&claimed);
+    let begun = runs::begin(&store, &lease).await.unwrap();
+
+    expire_lease(&store, claimed.id, 0).await;
+    let before = reads::events_after(
+        store.db(),
+        "acme",
+        conversation_id,
+        Default::default(),
+        1000,
+    )
+    .await
+    .unwrap();
+    let refused = runs::checkpoint(&store, &lease, &texts(&begun, "under a lapsed lease")).await;
+    assert!(matches!(refused, Err(Error::Lapsed)), "{refused:?}");
+    let after = reads::events_after(
+        store.db(),
+        "acme",
+        conversation_id,
+        Default::default(),
+        1000,
+    )
+    .await
+    .unwrap();
+    assert_eq!(before, after, "nothing written");
+    // The process that executes it does not sweep it.
+    let executing = [claimed.id];
+    assert_eq!(
+        queue::reclaim(
+            &store,
+            Reclaim::Expired {
+                executing: &executing
+            },
+            3
+        )
+        .await
+        .unwrap(),
+        0
+    );
+    assert!(matches!(
+        queue::heartbeat(&store, &lease, 60_000).await.unwrap(),
+        queue::Heartbeat::Renewed { .. }
+    ));
+    runs::checkpoint(&store, &lease, &texts(&begun, "renewed"))
+        .await
+        .unwrap();
+    let row = run_row(&store, claimed.id).await;
+    assert_eq!((row.status.as_str(), row.recoveries), ("RUNNING", 0));
+    assert_eq!(row.lease_epoch, claimed.lease_epoch);
+}
+
 #[tokio::test]
 async fn a_run_that_keeps_losing_its_worker_ends_with_recovery_limit() {
     let db = TestDb::new().await;
@@ -286,7 +349,7 @@ async fn a_run_that_keeps_losing_its_worker_ends_with_recovery_limit() {
         // The worker dies: nothing renews its lease.
         expire_lease(&store, claimed.id, 0).await;
         assert_eq!(
-            queue::reclaim(&store, Reclaim::Expired, budget)
+            queue::reclaim(&store, Reclaim::Expired { executing: &[] }, budget)
                 .await
                 .unwrap(),
             1
@@ -337,30 +400,6 @@ async fn expire_lease(store: &Store, run_id: Uuid, at: i64) {
         .into();
     expired.lease_expires_at = Set(Some(at));
     expired.update(store.db()).await.unwrap();
-}
-
-#[tokio::test]
-async fn a_heartbeat_does_not_renew_a_lease_that_already_ran_out() {
-    let db = TestDb::new().await;
-    let store = store(&db).await;
-    let conversation_id = conversation(&store).await;
-    let queued = send(&store, conversation_id, "hello").await;
-    let claimed = claim_one(&store, "slow").await;
-    // The worker stalled past its lease; nobody has taken the run yet, but
-    // a sweep may have listed it as stale already.
-    expire_lease(&store, claimed.id, 1).await;
-    assert_eq!(
-        queue::heartbeat(&store, &Lease::of(&claimed), 60_000)
-            .await
-            .unwrap(),
-        queue::Heartbeat::Lost
-    );
-    let row = run_row(&store, queued.id).await;
-    assert_eq!(row.lease_expires_at, Some(1), "not renewed");
-    assert_eq!(
-        queue::reclaim(&store, Reclaim::Expired, 3).await.unwrap(),
-        1
-    );
 }
 
 #[tokio::test]

@@ -91,6 +91,8 @@ struct Steps<'a> {
     control: &'a Control,
     deadline: Instant,
     checkpoint_every: Duration,
+    /// How long a lease lasts when renewed.
+    lease_ms: i64,
     tool_concurrency: usize,
     policy: &'a PolicyConfig,
 }

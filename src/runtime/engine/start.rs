@@ -59,7 +59,10 @@ pub async fn execute(
             span.in_scope(|| tracing::info!("the lease moved on; stopped without writing"));
             Executed::Done
         }
-        Err(err) if err.is_unreachable() => {
+        // The lease ran out while the database was away, or the worker
+        // stalled: the run goes back, not counted, unless a heartbeat
+        // renewed it meanwhile (then it is still ours to give).
+        Err(err) if err.is_unreachable() || matches!(err, store::Error::Lapsed) => {
             span.in_scope(|| {
                 tracing::warn!(error = %err, "the database went away mid-run; giving the run back")
             });
@@ -138,6 +141,7 @@ async fn drive(
         control,
         deadline,
         checkpoint_every: Duration::from_millis(config.runtime.checkpoint_ms),
+        lease_ms: config.runtime.lease_ms(),
         tool_concurrency: config.runtime.tool_concurrency,
         policy: &config.policy,
     };

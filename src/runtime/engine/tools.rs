@@ -115,6 +115,7 @@ impl Steps<'_> {
             rules: self.policy.for_tenant(&self.run.tenant),
             retry: retry_policy(agent),
             max_inline_bytes: agent.limits.max_inline_tool_output_bytes,
+            lease_ms: self.lease_ms,
             concurrency: self.tool_concurrency,
         };
         let mut calls = calls.to_vec();
@@ -235,8 +236,9 @@ impl Steps<'_> {
         let recorded = finished.is_some();
         let message_id = attempt.message_id;
         let (part, cursor) = runner
-            .whole(move |s, l| async move {
-                runs::end_step(&s, &l, message_id, usage, finished.as_ref()).await
+            .durably(move |s, l| {
+                let finished = finished.clone();
+                async move { runs::end_step(&s, &l, message_id, usage, finished.as_ref()).await }
             })
             .await?;
         if recorded {

@@ -258,14 +258,16 @@ pub(in crate::store) async fn fence_for_end(
         tx.lock_conversation(lease.conversation_id, &lease.tenant)
             .await?;
     }
-    let Fenced(row, fenced) = fenced_run(lease)
+    let found = fenced_run(tx.get_database_backend(), lease)
         .expr_as(open_in(lease.run_id), OPEN)
         .expr_as(Expr::exists(behind), QUEUED_BEHIND)
         .into_model::<Fenced>()
         .one(&**tx)
-        .await?
-        .ok_or(Error::Fenced)?;
-    Ok((row, fenced))
+        .await?;
+    match found {
+        Some(Fenced(row, fenced)) => Ok((row, fenced)),
+        None => Err(super::lapsed_or_fenced(tx, lease).await?),
+    }
 }
 
 /// No worker holds the run any more; the epoch moves on so a late writer of

@@ -53,6 +53,7 @@ use sea_orm::{
 use tokio::sync::OwnedMutexGuard;
 use uuid::Uuid;
 
+use super::clock;
 use super::entities::{conversation, run};
 use super::{Error, Result, Store};
 use crate::bus::pg;
@@ -657,13 +658,15 @@ pub(in crate::store) async fn open<'a>(
 }
 
 /// The fence every worker commit starts with: the run's row, still
-/// `RUNNING` under this lease's epoch, else `Fenced` (and the caller writes
-/// nothing). On PostgreSQL the run's conversation is locked first. On SQLite
+/// `RUNNING` under this lease's epoch and with its lease not run out on the
+/// database's clock, else `Fenced` (or `Lapsed`, see `lapsed_or_fenced`)
+/// and the caller writes nothing: no effect starts under a lapsed lease. On PostgreSQL the run's conversation is locked first. On SQLite
 /// the transaction itself (`BEGIN IMMEDIATE`) already excludes every other
 /// writer, so the lock needs no statement of its own.
 pub(in crate::store) async fn fence(tx: &WriteTx, lease: &Lease) -> Result<run::Model> {
-    let mut fenced = fenced_run(lease);
-    if tx.get_database_backend() == DatabaseBackend::Postgres {
+    let backend = tx.get_database_backend();
+    let mut fenced = fenced_run(backend, lease);
+    if backend == DatabaseBackend::Postgres {
         // The conversation locked in the same statement, first: an
         // uncorrelated `EXISTS (… FOR UPDATE)` is a one-time filter whose
         // plan runs before the statement's top `LockRows` takes the run
@@ -680,16 +683,39 @@ pub(in crate::store) async fn fence(tx: &WriteTx, lease: &Lease) -> Result<run::
             .to_owned();
         fenced = fenced.filter(Expr::exists(conversation));
     }
-    fenced.one(&**tx).await?.ok_or(Error::Fenced)
+    match fenced.one(&**tx).await? {
+        Some(row) => Ok(row),
+        None => Err(lapsed_or_fenced(tx, lease).await?),
+    }
 }
 
 /// The fence's query, without the conversation's lock: the run still
-/// `RUNNING` under this lease's epoch, locked.
-fn fenced_run(lease: &Lease) -> sea_orm::Select<run::Entity> {
+/// `RUNNING` under this lease's epoch, its lease not run out, locked.
+pub(in crate::store) fn fenced_run(
+    backend: DatabaseBackend,
+    lease: &Lease,
+) -> sea_orm::Select<run::Entity> {
+    held_run(lease)
+        .filter(Expr::col(run::Column::LeaseExpiresAt).gte(clock::now_expr(backend)))
+        .lock_exclusive()
+}
+
+/// The run still `RUNNING` under this lease's epoch, whenever its lease
+/// runs out.
+fn held_run(lease: &Lease) -> sea_orm::Select<run::Entity> {
     run::Entity::find_by_id(lease.run_id)
         .filter(run::Column::LeaseEpoch.eq(lease.epoch))
         .filter(run::Column::Status.eq(RunStatus::Running.as_str()))
-        .lock_exclusive()
+}
+
+/// Why the fence refused: `Lapsed` if the run is still this lease's but
+/// its lease ran out (nobody took it, and a heartbeat renews it), else
+/// `Fenced`.
+pub(in crate::store) async fn lapsed_or_fenced(tx: &WriteTx, lease: &Lease) -> Result<Error> {
+    Ok(match held_run(lease).one(&**tx).await? {
+        Some(_) => Error::Lapsed,
+        None => Error::Fenced,
+    })
 }
 
 #[cfg(test)]

@@ -1,0 +1,146 @@
+//! Leases under clock skew and database outages (PostgreSQL; on SQLite one
+//! process owns the database, so these return at once): leases are taken
+//! and compared on the database's clock, a process whose clock is wrong
+//! takes no live lease, and an outage longer than a lease neither loses a
+//! call's result nor sends the call again nor counts as a recovery.
+
+use std::time::Duration;
+
+use serde_json::Value;
+
+use crate::db_proxy::DbProxy;
+use crate::downstream::Downstream;
+use crate::support::{Companion, PATIENCE, Server, ServerOptions, http_client, on_postgres};
+use crate::tools::{config, tool_calls};
+
+const CALL: &str = r#"/tool gated {"text": "once"}"#;
+
+/// How many lease sweeps a process has made that reached the database.
+async fn sweeps(companion: &Companion) -> u64 {
+    let text = http_client()
+        .get(format!("{}/metrics", companion.base))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .find_map(|line| line.strip_prefix("tether_lease_sweeps_total "))
+        .map(|n| n.trim().parse().unwrap())
+        .expect("the sweep counter is exported")
+}
+
+/// Waits until `companion` has made `more` sweeps after this call.
+async fn sweeps_pass(companion: &Companion, more: u64) {
+    let from = sweeps(companion).await;
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    while sweeps(companion).await < from + more {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the process never swept"
+        );
+        tick.tick().await;
+    }
+}
+
+/// The run ended with its one call made once, at attempt 1, and without
+/// a recovery.
+async fn ended_once(server: &Server, downstream: &Downstream, token: &str, run: &str) {
+    let ended = server.wait_until_ended(token, run).await;
+    assert_eq!(ended["status"], "COMPLETED", "{ended}");
+    let calls = tool_calls(server, token, run).await;
+    let call: &Value = &calls[0];
+    assert_eq!(calls.len(), 1, "{calls:?}");
+    assert_eq!(call["status"], "COMPLETED", "{call}");
+    assert_eq!(call["outcome"], "SUCCEEDED", "{call}");
+    assert_eq!(call["attempt"], 1, "{call}");
+    assert_eq!(downstream.requests_to("/gated").len(), 1, "requested once");
+    assert_eq!(server.recoveries(run).await, 0, "no recovery");
+}
+
+#[tokio::test]
+async fn a_process_whose_clock_runs_ahead_leaves_a_live_lease_alone() {
+    if !on_postgres() {
+        return;
+    }
+    let downstream = Downstream::start().await;
+    let config = config(&downstream, "", &[("tools", "")]);
+    let server = Server::start_workers(&config).await;
+    let token = server.token("acme", "ada");
+    let conversation = server.conversation_with(&token, "tools").await;
+    let (_, run) = server.send(&token, &conversation, CALL).await;
+    downstream
+        .wait_for("the call", |d| d.requests_to("/gated").len() == 1)
+        .await;
+    // A second worker whose clock is 20 s ahead: by its clock the lease
+    // (3 s) ran out long ago, by the database's it is renewed.
+    let ahead = server
+        .companion_with("worker", &config, &[("TETHER_CLOCK_SKEW_MS", "20000")])
+        .await;
+    sweeps_pass(&ahead, 3).await;
+    assert!(!server.lease_ran_out(&run).await);
+    downstream.open_gate();
+    ended_once(&server, &downstream, &token, &run).await;
+}
+
+/// The worker reaches the database through a relay the test cuts while
+/// its call runs, for longer than its lease; the call's result comes back
+/// after the database does, or while it is still away.
+async fn an_outage_longer_than_the_lease(result_during_the_outage: bool) {
+    let downstream = Downstream::start().await;
+    let config = config(&downstream, "", &[("tools", "")]);
+    let server = Server::start_with(ServerOptions {
+        config: config.clone(),
+        ..Default::default()
+    })
+    .await;
+    let proxy = DbProxy::start(server.database_url()).await;
+    let worker = server
+        .companion_with("worker", &config, &[("TETHER_DATABASE_URL", &proxy.url)])
+        .await;
+    let token = server.token("acme", "ada");
+    let conversation = server.conversation_with(&token, "tools").await;
+    let (_, run) = server.send(&token, &conversation, CALL).await;
+    downstream
+        .wait_for("the call", |d| d.requests_to("/gated").len() == 1)
+        .await;
+
+    proxy.cut();
+    if result_during_the_outage {
+        downstream.open_gate();
+    }
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    let mut tick = tokio::time::interval(Duration::from_millis(200));
+    while !server.lease_ran_out(&run).await {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the lease never ran out"
+        );
+        tick.tick().await;
+    }
+    proxy.restore();
+    if !result_during_the_outage {
+        // The worker's own sweeps see its lapsed lease and leave it.
+        sweeps_pass(&worker, 2).await;
+        downstream.open_gate();
+    }
+    ended_once(&server, &downstream, &token, &run).await;
+}
+
+#[tokio::test]
+async fn an_outage_longer_than_the_lease_during_a_call_loses_nothing() {
+    if !on_postgres() {
+        return;
+    }
+    an_outage_longer_than_the_lease(false).await;
+}
+
+#[tokio::test]
+async fn a_result_that_comes_back_during_an_outage_is_committed_once_the_database_returns() {
+    if !on_postgres() {
+        return;
+    }
+    an_outage_longer_than_the_lease(true).await;
+}
