@@ -528,6 +528,24 @@ pub struct Take {
 /// interaction is claimed with a compare-and-set, and the call moves
 /// (allowed: back to `REQUESTED`, or on to `EXECUTING` with `take.start`;
 /// denied: `DENIED`; expired: `EXPIRED`).
+/// Of a call's interactions, the one it waits for: a pending one, else
+/// the one decided but not yet taken into the run, else (all taken) any,
+/// to say so. `None` when the call has none.
+fn waited_for(interactions: Vec<interaction::Model>) -> Result<Option<interaction::Model>> {
+    let mut taken = None;
+    let mut decided = None;
+    for found in interactions {
+        if status_of(&found)? == InteractionStatus::Pending {
+            return Ok(Some(found));
+        }
+        match found.claimed_at {
+            None => decided = Some(found),
+            Some(_) => taken = Some(found),
+        }
+    }
+    Ok(decided.or(taken))
+}
+
 pub async fn take_decision(
     store: &Store,
     lease: &Lease,
@@ -546,15 +564,17 @@ pub async fn take_decision(
         }
     }
     let (mut tx, conversation, row) = open(store, lease).await?;
-    // The newest of the call's interactions is the one it waits for (an
-    // approved call may wait for a connection next).
-    let found = interaction::Entity::find()
+    // The interaction the call waits for is chosen by state, never by id
+    // order (ids follow the clocks of the processes that made them): an
+    // approved call may wait for a connection next.
+    let interactions = interaction::Entity::find()
         .filter(interaction::Column::ToolCallId.eq(call_id))
         .filter(interaction::Column::RunId.eq(row.id))
-        .order_by_desc(interaction::Column::Id)
-        .one(&*tx)
-        .await?
-        .ok_or(Error::NotFound)?;
+        .all(&*tx)
+        .await?;
+    let Some(found) = waited_for(interactions)? else {
+        return Err(Error::NotFound);
+    };
     let status = status_of(&found)?;
     if status == InteractionStatus::Pending {
         return Ok(Decided::Pending);
@@ -1015,6 +1035,51 @@ mod tests {
     use crate::domain::interaction::ApprovalDecision;
     use crate::store::commands;
     use crate::store::test_support::{ada, event_seq, kinds_after, requested_call, temp_store};
+
+    /// An interaction of one call, in `status`, taken into its run or not.
+    fn of_call(id: Uuid, kind: &str, status: &str, claimed: bool) -> interaction::Model {
+        interaction::Model {
+            id,
+            tenant: "acme".into(),
+            conversation_id: Uuid::nil(),
+            run_id: Uuid::nil(),
+            tool_call_id: Uuid::nil(),
+            part_id: Uuid::nil(),
+            kind: kind.into(),
+            status: status.into(),
+            request: json!({}),
+            resolution: None,
+            resolved_by: None,
+            created_at: 0,
+            expires_at: 0,
+            resolved_at: None,
+            claimed_at: claimed.then_some(1),
+        }
+    }
+
+    /// An approval taken, then a connection asked by a process whose clock
+    /// is behind: the connection's id sorts first, and it is still the one
+    /// the call waits for, pending and then resolved.
+    #[test]
+    fn the_interaction_a_call_waits_for_is_chosen_by_state_not_id_order() {
+        let (earlier_id, later_id) = (Uuid::from_u128(2), Uuid::from_u128(1));
+        let approval = of_call(earlier_id, "APPROVAL", "RESOLVED", true);
+        let pending = of_call(later_id, "CONNECTION", "PENDING", false);
+        let chosen = waited_for(vec![pending.clone(), approval.clone()]).unwrap();
+        assert_eq!(chosen.map(|i| i.id), Some(later_id));
+        let resolved = of_call(later_id, "CONNECTION", "RESOLVED", false);
+        for order in [
+            vec![resolved.clone(), approval.clone()],
+            vec![approval.clone(), resolved.clone()],
+        ] {
+            assert_eq!(waited_for(order).unwrap().map(|i| i.id), Some(later_id));
+        }
+        // Both taken: either says the call moved on.
+        let taken = of_call(later_id, "CONNECTION", "RESOLVED", true);
+        let chosen = waited_for(vec![taken, approval]).unwrap().unwrap();
+        assert!(chosen.claimed_at.is_some());
+        assert!(waited_for(Vec::new()).unwrap().is_none());
+    }
 
     /// A claimed run with one gated call waiting for approval, asked with
     /// this time to live: the lease, the run and the call.

@@ -59,8 +59,43 @@ pub async fn claim(
     lease_ms: i64,
     slots: impl Into<Slots>,
 ) -> Result<Vec<run::Model>> {
-    let _lane = store.write_lane().await;
-    claim_in(store.db(), owner, lease_ms, slots.into(), Locks::Runs).await
+    let tx = store.begin_write().await?;
+    let claimed = claim_in(&*tx, owner, lease_ms, slots.into()).await?;
+    if claimed.is_empty() || overtaken(&tx, &claimed).await? {
+        tx.rollback().await?;
+        return Ok(Vec::new());
+    }
+    store.commit(tx).await?;
+    Ok(claimed)
+}
+
+/// Whether a run this claim took is behind an unended earlier run of its
+/// conversation after all. On PostgreSQL the claim statement reads what
+/// was committed when it began, so a run re-queued ahead of one it takes
+/// (`requeue`) while it ran is not in what it read; this second statement,
+/// under the conversation locks the claim holds, sees it, and the claim is
+/// rolled back (the next wake-up claims in order). On SQLite a write
+/// transaction reads everything committed before it.
+async fn overtaken(tx: &WriteTx, claimed: &[run::Model]) -> Result<bool> {
+    if tx.get_database_backend() != DatabaseBackend::Postgres {
+        return Ok(false);
+    }
+    let ids = claimed
+        .iter()
+        .map(|r| format!("'{}'", r.id))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let sql = format!(
+        "SELECT r.id FROM runs r WHERE r.id IN ({ids}) AND {}",
+        Claimable::behind_unended()
+    );
+    let found = tx
+        .query_one_raw(Statement::from_string(DatabaseBackend::Postgres, sql))
+        .await?;
+    if found.is_some() {
+        tracing::info!("a run was re-queued ahead of a claimed one; claiming again");
+    }
+    Ok(found.is_some())
 }
 
 /// A claimed run, already started when its claim could be its first commit.
@@ -147,7 +182,10 @@ async fn start_claimed(
     lease_ms: i64,
     slots: Slots,
 ) -> Result<(Vec<run::Model>, Vec<(Uuid, commit::FirstStep)>)> {
-    let claimed = claim_in(&**tx, owner, lease_ms, slots, Locks::RunsAndConversations).await?;
+    let claimed = claim_in(&**tx, owner, lease_ms, slots).await?;
+    if claimed.is_empty() || overtaken(tx, &claimed).await? {
+        return Ok((Vec::new(), Vec::new()));
+    }
     let mut started = Vec::with_capacity(claimed.len());
     for row in &claimed {
         let (mut events, mut writes) = (Vec::new(), Writes::default());
@@ -161,27 +199,17 @@ async fn start_claimed(
     Ok((claimed, started))
 }
 
-/// What a claim locks on PostgreSQL, besides the runs it updates.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Locks {
-    /// The runs it takes, skipping those another claim holds.
-    Runs,
-    /// Also their conversations, for a transaction that goes on to write
-    /// in them: skipping a run whose conversation another transaction
-    /// holds, never waiting for it. A run so skipped stays locked until
-    /// the claim's transaction ends (PostgreSQL keeps the locks of rows a
-    /// `SKIP LOCKED` passed over): a write on it waits those few
-    /// milliseconds, never the other way round.
-    RunsAndConversations,
-}
-
-/// The claim statement, on `db` (a connection, or a transaction).
+/// The claim statement, in a write transaction. On PostgreSQL it locks the
+/// runs it takes and their conversations, skipping a run another claim
+/// holds or whose conversation another transaction holds, never waiting.
+/// A run so skipped stays locked until the claim's transaction ends
+/// (PostgreSQL keeps the locks of rows a `SKIP LOCKED` passed over): a
+/// write on it waits those few milliseconds, never the other way round.
 async fn claim_in<C: ConnectionTrait>(
     db: &C,
     owner: &str,
     lease_ms: i64,
     slots: Slots,
-    locks: Locks,
 ) -> Result<Vec<run::Model>> {
     let limit = slots.free;
     let now = now_millis();
@@ -197,9 +225,8 @@ async fn claim_in<C: ConnectionTrait>(
     // A conversation's lock is `NO KEY UPDATE`, as the event append's
     // update of its row takes: it leaves the key-share locks of rows
     // inserted elsewhere that refer to the conversation alone.
-    let (join, skip_locked) = match (backend, locks) {
-        (DatabaseBackend::Postgres, Locks::Runs) => ("", " FOR UPDATE OF r SKIP LOCKED"),
-        (DatabaseBackend::Postgres, Locks::RunsAndConversations) => (
+    let (join, skip_locked) = match backend {
+        DatabaseBackend::Postgres => (
             " JOIN conversations c ON c.id = r.conversation_id",
             " FOR UPDATE OF r SKIP LOCKED FOR NO KEY UPDATE OF c SKIP LOCKED",
         ),

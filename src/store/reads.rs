@@ -479,11 +479,21 @@ pub(in crate::store) struct Claimable {
 }
 
 impl Claimable {
-    pub(in crate::store) fn sql(backend: sea_orm::DatabaseBackend, due: &str) -> Claimable {
+    /// Whether run `r` is behind an unended earlier run of its
+    /// conversation, as SQL.
+    pub(in crate::store) fn behind_unended() -> String {
         let unended = RunStatus::not_ended()
             .map(|s| format!("'{}'", s.as_str()))
             .collect::<Vec<_>>()
             .join(", ");
+        format!(
+            "EXISTS (SELECT 1 FROM runs o WHERE o.conversation_id = r.conversation_id \
+             AND o.seq < r.seq AND o.status IN ({unended}))"
+        )
+    }
+
+    pub(in crate::store) fn sql(backend: sea_orm::DatabaseBackend, due: &str) -> Claimable {
+        let behind = Claimable::behind_unended();
         let greatest = match backend {
             sea_orm::DatabaseBackend::Postgres => "GREATEST",
             _ => "MAX",
@@ -491,8 +501,7 @@ impl Claimable {
         Claimable {
             condition: format!(
                 "(r.status = 'QUEUED' OR (r.status = 'RETRY_PENDING' AND r.next_attempt_at <= {due})) \
-                 AND NOT EXISTS (SELECT 1 FROM runs o WHERE o.conversation_id = r.conversation_id \
-                                 AND o.seq < r.seq AND o.status IN ({unended}))"
+                 AND NOT {behind}"
             ),
             ready_since: format!(
                 "CASE WHEN r.status = 'RETRY_PENDING' THEN r.next_attempt_at \

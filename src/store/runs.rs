@@ -11,17 +11,18 @@ use std::sync::Arc;
 use uuid::Uuid;
 
 use super::commit::{
-    Begun, Ending, Finished, Lease, OpenPart, PartContent, PartText, Writes, abandon_open_parts,
-    abandon_open_parts_with, apply_usage, clear_lease, end_closed, fence, fence_for_end,
-    insert_part, join_steered, next_index, open, open_text_part, part_event, record_in, save_parts,
-    save_parts_with_append, start, step_events, utf16_len,
+    Begun, Ending, Finished, Lease, OpenPart, PartContent, PartText, WriteTx, Writes,
+    abandon_open_parts, abandon_open_parts_with, apply_usage, clear_lease, end_closed, fence,
+    fence_for_end, insert_part, join_steered, next_index, open, open_text_part, part_event,
+    record_in, save_parts, save_parts_with_append, start, step_events, utf16_len,
 };
-use super::entities::{part, run, summary};
+use super::entities::{part, run, summary, tool_call};
 use super::{Error, Result, Store};
 use crate::domain::cursor::Cursor;
 use crate::domain::event::{EventBody, EventKind, NewEvent};
 use crate::domain::run::{RunError, RunInput, RunStatus, Usage, transition};
 use crate::domain::time::{new_id, now_millis};
+use crate::domain::tool_call::ToolCallStatus;
 use crate::domain::{PartKind, PartState};
 
 /// The first commit of a claim (where the claim did not start the run
@@ -55,6 +56,7 @@ pub async fn end_step(
         Some(finished) => record_in(&tx, &row, finished).await?.1,
         None => Vec::new(),
     };
+    without_result(&tx, &row).await?;
     events.extend(step_events(&row, usage, true));
     let mut writes = Writes::default();
     // The next step's text part: first in the message after the steered
@@ -75,6 +77,28 @@ pub async fn end_step(
     tx.append_after(writes, &conversation, events).await?;
     let committed = store.commit(tx).await?;
     Ok((opened, committed.last().map_or(Cursor::START, |e| e.cursor)))
+}
+
+/// A step never ends with a call that has no result (the model would read
+/// one made up): a call of the step not finished is an internal error that
+/// names it, and nothing is written.
+async fn without_result(tx: &WriteTx, row: &run::Model) -> Result<()> {
+    let unfinished = tool_call::Entity::find()
+        .filter(tool_call::Column::RunId.eq(row.id))
+        .filter(tool_call::Column::Step.eq(row.steps))
+        .filter(tool_call::Column::Status.is_not_in([
+            ToolCallStatus::Completed.as_str(),
+            ToolCallStatus::Indeterminate.as_str(),
+        ]))
+        .one(&**tx)
+        .await?;
+    match unfinished {
+        Some(call) => Err(Error::Corrupt(format!(
+            "tool call {} ({}) is {} at the end of its step: it has no result",
+            call.id, call.name, call.status
+        ))),
+        None => Ok(()),
+    }
 }
 
 /// Persists the streamed text of these parts so far, each with

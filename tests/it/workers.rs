@@ -723,3 +723,89 @@ async fn the_poll_claims_a_run_nobody_woke_for_while_other_runs_end() {
     }
     engine.shutdown().await;
 }
+
+/// 200 conversations, each with a run that failed `RECOVERY_LIMIT` and a
+/// run queued behind it, requeued all at once while three engines claim
+/// every 10 ms: no two runs of a conversation ever run at once (a claim
+/// that read the queue before a requeue committed takes nothing), and
+/// every run ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requeues_racing_claims_never_run_two_runs_of_a_conversation_at_once() {
+    let db = TestDb::new().await;
+    let store = store(&db).await;
+    let mut conversations = Vec::new();
+    let mut failed = Vec::new();
+    for _ in 0..200 {
+        let c = conversation(&store).await;
+        let first = send(&store, c, "the one that keeps failing").await;
+        let claimed = claim_one(&store, "doomed").await;
+        assert_eq!(claimed.id, first.id);
+        expire_lease(&store, first.id, 0).await;
+        queue::reclaim(&store, Reclaim::Expired { executing: &[] }, 0)
+            .await
+            .unwrap();
+        assert_eq!(
+            run_row(&store, first.id).await.end_cause.as_deref(),
+            Some("RECOVERY_LIMIT")
+        );
+        conversations.push(c);
+        failed.push(first.id);
+    }
+    for c in &conversations {
+        send(&store, *c, "the one behind it").await;
+    }
+    let config = quiet_config(10, 8, 1);
+    let stores = [
+        store.clone(),
+        self::store(&db).await,
+        self::store(&db).await,
+    ];
+    let engines: Vec<Runtime> = stores
+        .iter()
+        .enumerate()
+        .map(|(i, s)| engine(s, config.clone(), &format!("engine-{i}")))
+        .collect();
+    let operator = tether::store::commit::Operator {
+        principal: "ops",
+        issuer: None,
+    };
+    for run_id in &failed {
+        // Refused when the run behind it started first: either is fine.
+        let _ = queue::requeue(&store, operator, *run_id, "try again").await;
+    }
+    let deadline = tokio::time::Instant::now() + PATIENCE * 3;
+    for c in &conversations {
+        while !reads::unended_runs(store.db(), "acme", *c)
+            .await
+            .unwrap()
+            .is_empty()
+        {
+            assert!(tokio::time::Instant::now() < deadline, "runs left");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    for engine in engines {
+        engine.shutdown().await;
+    }
+    for c in &conversations {
+        let events = reads::events_after(store.db(), "acme", *c, Default::default(), 10_000)
+            .await
+            .unwrap();
+        // In commit order: a run starts only when no other is running.
+        let mut running: Option<Uuid> = None;
+        for event in &events {
+            match event.kind {
+                EventKind::RunStarted => {
+                    assert!(running.is_none(), "two runs at once in {c}: {events:?}");
+                    running = event.run_id;
+                }
+                EventKind::RunCompleted | EventKind::RunFailed | EventKind::RunCancelled
+                    if event.run_id == running =>
+                {
+                    running = None;
+                }
+                _ => {}
+            }
+        }
+    }
+}
