@@ -142,12 +142,28 @@ impl Connections {
         if let Some(usable) = self.usable(cipher, &row, owner, need)? {
             return Ok(usable);
         }
-        // Expired. One refresh per connection at a time: whoever waited
-        // finds the refreshed row.
+        // Expired. One refresh per connection at a time, in this process
+        // and across processes: whoever waited finds the refreshed row.
         let _flight = self
             .flights
             .enter(format!("refresh\0{tenant}\0{principal}\0{}", need.provider))
             .await;
+        let hold = stored::RefreshHold::take(store, owner).await?;
+        let refreshed = self.refresh(store, cipher, config, owner, need).await;
+        hold.release().await;
+        refreshed
+    }
+
+    /// `credential`'s refresh, holding the connection's refresh: the row
+    /// read again (another refresh may have come first), then refreshed.
+    async fn refresh(
+        &self,
+        store: &Store,
+        cipher: &Cipher,
+        config: &ConnectionConfig,
+        owner: Owner<'_>,
+        need: &ToolConnection,
+    ) -> store::Result<Credential> {
         let Some(row) = stored::find(store.db(), owner).await? else {
             return Ok(Credential::Gap(ConnectionGap::Absent));
         };

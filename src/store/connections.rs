@@ -4,7 +4,10 @@
 
 use sea_orm::ActiveValue::Set;
 use sea_orm::sea_query::OnConflict;
-use sea_orm::{ColumnTrait, ConnectionTrait, EntityTrait, QueryFilter, QueryOrder};
+use sea_orm::{
+    ColumnTrait, ConnectionTrait, DatabaseBackend, DatabaseTransaction, EntityTrait, QueryFilter,
+    QueryOrder, Statement, TransactionTrait,
+};
 
 use super::entities::connection;
 use super::{Error, Result, Store};
@@ -26,6 +29,45 @@ pub struct Sealed {
     pub refresh_token: Option<String>,
     pub key_id: String,
     pub expires_at: Option<i64>,
+}
+
+/// A connection's refresh, held against every other process's: on
+/// PostgreSQL a transaction that holds an advisory lock on the owner until
+/// `release`, so that another process's refresh of the same connection
+/// waits and then finds the refreshed row (a provider that lets each
+/// refresh token be used once would refuse the second). It locks no row:
+/// a `disconnect` meanwhile still wins (`save_refreshed`). On SQLite one
+/// process owns the database, and the in-process flight is enough.
+pub struct RefreshHold(Option<DatabaseTransaction>);
+
+impl RefreshHold {
+    pub async fn take(store: &Store, owner: Owner<'_>) -> Result<RefreshHold> {
+        let db = store.db();
+        if db.get_database_backend() != DatabaseBackend::Postgres {
+            return Ok(RefreshHold(None));
+        }
+        let tx = db.begin().await?;
+        // JSON keeps the parts apart and carries no NUL, which text refuses.
+        let key = serde_json::json!(["refresh", owner.tenant, owner.principal, owner.provider]);
+        let key = key.to_string();
+        tx.execute_raw(Statement::from_sql_and_values(
+            DatabaseBackend::Postgres,
+            "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))",
+            [key.into()],
+        ))
+        .await?;
+        Ok(RefreshHold(Some(tx)))
+    }
+
+    /// Lets the next refresh in. Called on every path: a transaction
+    /// dropped instead keeps its lock until its connection is next used.
+    pub async fn release(self) {
+        if let Some(tx) = self.0
+            && let Err(err) = tx.rollback().await
+        {
+            tracing::warn!(error = %err, "releasing a refresh's lock failed");
+        }
+    }
 }
 
 pub fn scopes_of(row: &connection::Model) -> Result<Vec<String>> {

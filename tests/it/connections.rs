@@ -59,6 +59,11 @@ fn config(downstream: &Downstream, auth: &AuthServer) -> String {
 }
 
 async fn start(downstream: &Downstream, auth: &AuthServer, env: &[(&str, &str)]) -> Server {
+    serve(config(downstream, auth), env).await
+}
+
+/// A Tether with workers of `config`, with the key and client secret.
+async fn serve(config: String, env: &[(&str, &str)]) -> Server {
     let mut vars = vec![
         ("TETHER_ENCRYPTION_KEY".to_owned(), KEY.to_owned()),
         ("GITHUB_CLIENT_SECRET".to_owned(), CLIENT_SECRET.to_owned()),
@@ -66,7 +71,7 @@ async fn start(downstream: &Downstream, auth: &AuthServer, env: &[(&str, &str)])
     ];
     vars.extend(env.iter().map(|(k, v)| ((*k).to_owned(), (*v).to_owned())));
     Server::start_with(ServerOptions {
-        config: config(downstream, auth),
+        config,
         env: vars,
         role: "all",
     })
@@ -722,4 +727,62 @@ async fn a_disconnect_during_a_slow_refresh_stays_and_the_call_asks_for_consent(
         sent,
         "the call sent nothing with the refreshed token"
     );
+}
+
+/// Two processes, one run each, both needing the same expired connection
+/// at once, against a provider that lets each refresh token be used once:
+/// one refresh, and both calls send a valid token.
+#[tokio::test]
+async fn two_processes_refresh_one_connection_once() {
+    if !crate::support::on_postgres() {
+        return;
+    }
+    let downstream = Downstream::start().await;
+    let auth = AuthServer::start().await;
+    // One run at a time in each process, so that the two runs below go to
+    // two processes: the first holds its slot through its slow refresh.
+    let one_each =
+        config(&downstream, &auth).replacen("[runtime]\n", "[runtime]\nconcurrency = 1\n", 1);
+    assert!(one_each.contains("concurrency = 1"), "{one_each}");
+    let server = serve(one_each.clone(), &[]).await;
+    let token = server.token("acme", "ada");
+    let conversation = server.create_conversation(&token).await;
+    let (run, pending) = paused(
+        &server,
+        &token,
+        &conversation,
+        "/tool repos {\"text\": \"consent\"}",
+    )
+    .await;
+    consent_to(&server, &auth, &token, &pending).await;
+    server.wait_until_ended(&token, &run).await;
+    let _other = server.companion_with("worker", &one_each, &[]).await;
+    let db = Database::connect(server.database_url()).await.unwrap();
+    db.execute_unprepared("UPDATE connections SET expires_at = 1")
+        .await
+        .unwrap();
+    db.close().await.unwrap();
+    auth.set_refresh_delay(std::time::Duration::from_millis(1500))
+        .await;
+    let refreshes = auth.token_requests("refresh_token").await;
+    let sent = downstream.requests_to("/effect").len();
+    let mut runs = Vec::new();
+    for text in ["first", "second"] {
+        let conversation = server.create_conversation(&token).await;
+        let message = format!("/tool repos {{\"text\": \"{text}\"}}");
+        runs.push(server.send(&token, &conversation, &message).await.1);
+    }
+    for run in &runs {
+        let ended = server.wait_until_ended(&token, run).await;
+        assert_eq!(ended["status"], "COMPLETED", "{ended}");
+    }
+    assert_eq!(auth.token_requests("refresh_token").await, refreshes + 1);
+    let requests = downstream.requests_to("/effect");
+    assert_eq!(requests.len(), sent + 2);
+    let bearers: Vec<&str> = requests[sent..]
+        .iter()
+        .map(|r| r.authorization.as_deref().unwrap_or_default())
+        .collect();
+    assert_eq!(bearers[0], bearers[1], "{bearers:?}");
+    assert!(bearers[0].starts_with("Bearer "), "{bearers:?}");
 }
