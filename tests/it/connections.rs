@@ -36,7 +36,7 @@ fn provider(name: &str, auth: &AuthServer, ttl_secs: u64) -> String {
 
 fn config(downstream: &Downstream, auth: &AuthServer) -> String {
     let mut text = String::from(
-        "default_agent = \"helper\"\n\n[runtime]\nlease_secs = 3\nheartbeat_secs = 0.5\ncheckpoint_ms = 40\npoll_ms = 200\n\n[[agents]]\nname = \"helper\"\nprovider = \"scripted\"\nstream_delay_ms = 0\ntools = [\"repos\", \"repos_admin\", \"acme_lookup\", \"brief\", \"demo_publish\"]\n",
+        "default_agent = \"helper\"\n\n[runtime]\nlease_secs = 3\nheartbeat_secs = 0.5\ncheckpoint_ms = 40\npoll_ms = 200\n\n[[agents]]\nname = \"helper\"\nprovider = \"scripted\"\nstream_delay_ms = 0\ntools = [\"repos\", \"repos_admin\", \"acme_lookup\", \"brief\", \"demo_publish\", \"release\"]\n",
     );
     text.push_str(&tool(
         "repos",
@@ -48,6 +48,13 @@ fn config(downstream: &Downstream, auth: &AuthServer) -> String {
         "{ provider = \"github\", scopes = [\"repo\", \"admin\"] }",
         downstream,
     ));
+    // Gated as well: an approval first, then the connection.
+    text.push_str(&tool(
+        "release",
+        "{ provider = \"github\", scopes = [\"repo\"] }",
+        downstream,
+    ));
+    text.push_str("risk = \"publish\"\n");
     text.push_str(&tool("acme_lookup", "{ provider = \"acme\" }", downstream));
     text.push_str(&tool("brief", "{ provider = \"brief\" }", downstream));
     text.push_str(&provider("github", auth, 900));
@@ -64,6 +71,11 @@ async fn start(downstream: &Downstream, auth: &AuthServer, env: &[(&str, &str)])
 
 /// A Tether with workers of `config`, with the key and client secret.
 async fn serve(config: String, env: &[(&str, &str)]) -> Server {
+    serve_as("all", config, env).await
+}
+
+/// `serve` in the given role.
+async fn serve_as(role: &'static str, config: String, env: &[(&str, &str)]) -> Server {
     let mut vars = vec![
         ("TETHER_ENCRYPTION_KEY".to_owned(), KEY.to_owned()),
         ("GITHUB_CLIENT_SECRET".to_owned(), CLIENT_SECRET.to_owned()),
@@ -73,7 +85,7 @@ async fn serve(config: String, env: &[(&str, &str)]) -> Server {
     Server::start_with(ServerOptions {
         config,
         env: vars,
-        role: "all",
+        role,
     })
     .await
 }
@@ -784,5 +796,89 @@ async fn two_processes_refresh_one_connection_once() {
         .map(|r| r.authorization.as_deref().unwrap_or_default())
         .collect();
     assert_eq!(bearers[0], bearers[1], "{bearers:?}");
+    assert!(bearers[0].starts_with("Bearer "), "{bearers:?}");
+}
+
+/// A call that needs an approval and then a connection, both given
+/// through a process whose clock is 10 minutes behind the one that asked
+/// for the approval: the connection's interaction has the earlier id, and
+/// the call still acts on it, so the downstream gets the request with the
+/// bearer token.
+#[tokio::test]
+async fn an_approval_then_a_connection_through_a_process_ten_minutes_behind() {
+    if !crate::support::on_postgres() {
+        return;
+    }
+    let downstream = Downstream::start().await;
+    let auth = AuthServer::start().await;
+    let config = config(&downstream, &auth);
+    let server = serve_as("api", config.clone(), &[]).await;
+    let token = server.token("acme", "ada");
+    let conversation = server.create_conversation(&token).await;
+    let mut on_time = server.companion_with("worker", &config, &[]).await;
+    let (_, run) = server
+        .send(&token, &conversation, "/tool release {\"text\": \"v2\"}")
+        .await;
+    server
+        .wait_for_run(&token, &run, |r| r["status"] == "WAITING_FOR_APPROVAL")
+        .await;
+    let approvals = server
+        .gql(
+            &token,
+            "query($r: ID!) { pendingApprovals(runId: $r) { interactionId } }",
+            json!({ "r": run }),
+        )
+        .await;
+    let approval = approvals["pendingApprovals"][0]["interactionId"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no pending approval: {approvals}"))
+        .to_owned();
+    on_time.child.kill().await.unwrap();
+
+    let behind = server
+        .companion_with("all", &config, &[("TETHER_CLOCK_SKEW_MS", "-600000")])
+        .await;
+    let (_, decided) = server
+        .post_at(
+            &behind.base,
+            Some(&token),
+            "mutation($i: ID!) { decideApproval(input: {interactionId: $i, decision: ALLOW_ONCE}) { resumed } }",
+            json!({ "i": approval }),
+        )
+        .await;
+    assert_eq!(
+        decided["data"]["decideApproval"]["resumed"], true,
+        "{decided}"
+    );
+    server
+        .wait_for_run(&token, &run, |r| r["status"] == "WAITING_FOR_CONNECTION")
+        .await;
+    let (_, pending) = server
+        .post_at(&behind.base, Some(&token), PENDING, json!({ "r": run }))
+        .await;
+    let pending = pending["data"]["pendingConnection"].clone();
+    let connection = pending["interactionId"].as_str().unwrap();
+    // UUID v7 ids sort by the clock that made them: the later interaction
+    // sorts first.
+    assert!(connection < approval.as_str(), "{connection} < {approval}");
+    let (code, state) = auth.consent(pending["loginUrl"].as_str().unwrap()).await;
+    let (_, completed) = server
+        .post_at(
+            &behind.base,
+            Some(&token),
+            COMPLETE,
+            json!({ "s": state, "c": code, "e": null }),
+        )
+        .await;
+    assert!(resumed(&completed), "{completed}");
+
+    let ended = server.wait_until_ended(&token, &run).await;
+    assert_eq!(ended["status"], "COMPLETED", "{ended}");
+    let calls = tool_calls(&server, &token, &run).await;
+    assert_eq!(calls.len(), 1, "{calls:?}");
+    assert_eq!(calls[0]["outcome"], "SUCCEEDED", "{}", calls[0]);
+    assert_eq!(calls[0]["attempt"], 1, "{}", calls[0]);
+    let bearers = bearer_of(&downstream);
+    assert_eq!(bearers.len(), 1, "requested once: {bearers:?}");
     assert!(bearers[0].starts_with("Bearer "), "{bearers:?}");
 }
