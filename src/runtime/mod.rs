@@ -6,6 +6,7 @@ pub mod compaction;
 pub mod engine;
 pub mod history;
 mod stop;
+mod sweep;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -134,6 +135,10 @@ async fn dispatch(
     let rt = &config.runtime;
     let budget = rt.crash_retry_budget;
     let lease_ms = rt.lease_ms();
+    // How long live workers need to renew their leases: two heartbeats, at
+    // most a lease.
+    let heartbeat = Duration::from_secs_f64(rt.heartbeat_secs);
+    let renewal = (heartbeat * 2).min(Duration::from_millis(lease_ms.max(0) as u64));
     if options.sole_owner {
         match queue::reclaim(&store, Reclaim::All, budget).await {
             Ok(0) => {}
@@ -145,9 +150,7 @@ async fn dispatch(
         match queue::held_by(&store, &options.instance_id).await {
             Ok(held) if held.is_empty() => {}
             Ok(held) => {
-                let wait = Duration::from_secs_f64(rt.heartbeat_secs * 2.0)
-                    .min(Duration::from_millis(lease_ms.max(0) as u64));
-                tokio::spawn(reclaim_unrenewed(store.clone(), held, wait, budget));
+                tokio::spawn(reclaim_unrenewed(store.clone(), held, renewal, budget));
             }
             Err(err) => tracing::error!(error = %err, "start-up recovery failed"),
         }
@@ -161,6 +164,7 @@ async fn dispatch(
     let poll = Duration::from_millis(rt.poll_ms);
     let mut reap = tokio::time::interval(Duration::from_millis((lease_ms / 2).max(100) as u64));
     reap.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut sweeper = sweep::Sweeper::new(renewal, heartbeat, budget);
     let mut look_for_cancels = tokio::time::interval(CANCEL_POLL);
     look_for_cancels.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
 
@@ -243,12 +247,7 @@ async fn dispatch(
             _ = reap.tick() => {
                 // Never a run this process executes: its heartbeat renews
                 // a lease that ran out while the database was away.
-                let executing = controls.runs();
-                let swept = queue::reclaim(&store, Reclaim::Expired { executing: &executing }, budget).await;
-                match swept {
-                    Ok(_) => telemetry::swept(),
-                    Err(err) => tracing::warn!(error = %err, "recovering expired leases failed"),
-                }
+                sweeper.sweep(&store, &controls.runs()).await;
                 // Questions and approvals nobody resolved in time end their
                 // wait, and their runs go on.
                 match interactions::expire_due(&store).await {

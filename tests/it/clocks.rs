@@ -144,3 +144,77 @@ async fn a_result_that_comes_back_during_an_outage_is_committed_once_the_databas
     }
     an_outage_longer_than_the_lease(true).await;
 }
+
+/// The database goes away for two workers at once, for longer than a
+/// lease, and comes back for the one that does not execute the run first:
+/// it waits for live workers to renew their leases before it sweeps, and
+/// the worker executing the run renews its own and commits the call's
+/// result.
+#[tokio::test]
+async fn after_an_outage_a_process_gives_live_workers_time_to_renew_before_it_sweeps() {
+    if !on_postgres() {
+        return;
+    }
+    let downstream = Downstream::start().await;
+    // A 4 s lease renewed every second: the sweeps (every 2 s) wait 2 s
+    // once the database is back.
+    let config = config(&downstream, "", &[("tools", "")]).replacen(
+        "lease_secs = 3\nheartbeat_secs = 0.5",
+        "lease_secs = 4\nheartbeat_secs = 1",
+        1,
+    );
+    assert!(config.contains("lease_secs = 4"), "{config}");
+    let server = Server::start_with(ServerOptions {
+        config: config.clone(),
+        ..Default::default()
+    })
+    .await;
+    let (to_runner, to_sweeper) = (
+        DbProxy::start(server.database_url()).await,
+        DbProxy::start(server.database_url()).await,
+    );
+    let _runner = server
+        .companion_with(
+            "worker",
+            &config,
+            &[("TETHER_DATABASE_URL", &to_runner.url)],
+        )
+        .await;
+    let token = server.token("acme", "ada");
+    let conversation = server.conversation_with(&token, "tools").await;
+    let (_, run) = server.send(&token, &conversation, CALL).await;
+    downstream
+        .wait_for("the call", |d| d.requests_to("/gated").len() == 1)
+        .await;
+    let sweeper = server
+        .companion_with(
+            "worker",
+            &config,
+            &[
+                ("TETHER_DATABASE_URL", &to_sweeper.url),
+                ("RUST_LOG", "info"),
+            ],
+        )
+        .await;
+    sweeps_pass(&sweeper, 1).await;
+
+    to_runner.cut();
+    to_sweeper.cut();
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    let mut tick = tokio::time::interval(Duration::from_millis(200));
+    while !server.lease_ran_out(&run).await {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the lease never ran out"
+        );
+        tick.tick().await;
+    }
+    // The sweeper hears the database first; the runner's heartbeat comes
+    // after its next ping.
+    to_sweeper.restore();
+    server.wait_for_log("the database answers again", 1).await;
+    to_runner.restore();
+    sweeps_pass(&sweeper, 2).await;
+    downstream.open_gate();
+    ended_once(&server, &downstream, &token, &run).await;
+}
