@@ -45,6 +45,19 @@ async fn sweeps_pass(companion: &Companion, more: u64) {
     }
 }
 
+/// Waits until the run's lease has run out on the database's clock.
+async fn lease_runs_out(server: &Server, run: &str) {
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    let mut tick = tokio::time::interval(Duration::from_millis(200));
+    while !server.lease_ran_out(run).await {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the lease never ran out"
+        );
+        tick.tick().await;
+    }
+}
+
 /// The run ended with its one call made once, at attempt 1, and without
 /// a recovery.
 async fn ended_once(server: &Server, downstream: &Downstream, token: &str, run: &str) {
@@ -111,15 +124,7 @@ async fn an_outage_longer_than_the_lease(result_during_the_outage: bool) {
     if result_during_the_outage {
         downstream.open_gate();
     }
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    let mut tick = tokio::time::interval(Duration::from_millis(200));
-    while !server.lease_ran_out(&run).await {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the lease never ran out"
-        );
-        tick.tick().await;
-    }
+    lease_runs_out(&server, &run).await;
     proxy.restore();
     if !result_during_the_outage {
         // The worker's own sweeps see its lapsed lease and leave it.
@@ -200,15 +205,7 @@ async fn after_an_outage_a_process_gives_live_workers_time_to_renew_before_it_sw
 
     to_runner.cut();
     to_sweeper.cut();
-    let deadline = tokio::time::Instant::now() + PATIENCE;
-    let mut tick = tokio::time::interval(Duration::from_millis(200));
-    while !server.lease_ran_out(&run).await {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the lease never ran out"
-        );
-        tick.tick().await;
-    }
+    lease_runs_out(&server, &run).await;
     // The sweeper hears the database first; the runner's heartbeat comes
     // after its next ping.
     to_sweeper.restore();
