@@ -363,7 +363,11 @@ async fn hold(
     )
     .await;
     if let Executed::Failed { run_at_fault } = executed {
-        drop(heartbeat);
+        // A run at fault stops renewing its lease at once. One the database
+        // went away under keeps renewing it while it waits for the database,
+        // so that when it answers the lease is this process's again before
+        // another process's sweep could count the run as crashed.
+        let _renewing = (!run_at_fault).then_some(heartbeat);
         let within = Duration::from_millis(lease_ms.max(0) as u64);
         let budget = run_at_fault.then_some(rt.crash_retry_budget);
         give_back(&store, &lease, budget, within).await;
@@ -371,12 +375,19 @@ async fn hold(
 }
 
 /// Gives back a run whose execution failed (`queue::abandon`), trying again
-/// while the database cannot be reached, for as long as the lease would
-/// have lasted: past that, the sweep of whichever process is up recovers
-/// it anyway.
+/// while the database cannot be reached: for as long as the lease would
+/// have lasted when the run is at fault (past that, the sweep of whichever
+/// process is up recovers it anyway, counted), and for as long as the
+/// database is away when it went away under the run. Meanwhile the run is
+/// still this process's, so its own sweep leaves it, and once the database
+/// answers it goes back uncounted instead of being swept as a crash.
 async fn give_back(store: &Store, lease: &Lease, budget: Option<u32>, within: Duration) {
     let give = || queue::abandon(store, lease, budget);
-    if let Err(err) = retry_within(&GIVE_BACK_AGAIN, within, give, |_| true).await {
+    let started = tokio::time::Instant::now();
+    let again = |err: &crate::store::Error| {
+        started.elapsed() < within || (budget.is_none() && err.is_unreachable())
+    };
+    if let Err(err) = retry_within(&GIVE_BACK_AGAIN, Duration::MAX, give, again).await {
         tracing::warn!(
             error = %err,
             run_id = %lease.run_id,

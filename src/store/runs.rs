@@ -430,4 +430,39 @@ mod tests {
         assert_eq!(cursor.0, before + kinds.len() as i64);
         std::fs::remove_dir_all(dir).ok();
     }
+
+    /// A step whose call has no result does not end: the error names the
+    /// call, and nothing is written (no made-up result for the model).
+    #[tokio::test]
+    async fn a_step_with_a_call_without_a_result_does_not_end() {
+        let (store, dir) = temp_store().await;
+        let (lease, call) = requested_call(&store, "effect").await;
+        tool_calls::start(&store, &lease, call.id, false)
+            .await
+            .unwrap();
+        let before = event_seq(&store, lease.conversation_id).await;
+        let message_id = part::Entity::find_by_id(call.part_id)
+            .one(store.db())
+            .await
+            .unwrap()
+            .unwrap()
+            .message_id;
+        let refused = end_step(&store, &lease, message_id, Usage::default(), None).await;
+        let Err(Error::Corrupt(message)) = refused else {
+            panic!("a typed internal error, not {refused:?}");
+        };
+        assert!(message.contains(&call.id.to_string()), "{message}");
+        assert!(
+            message.contains("effect") && message.contains("EXECUTING"),
+            "{message}"
+        );
+        assert_eq!(event_seq(&store, lease.conversation_id).await, before);
+        let row = run::Entity::find_by_id(lease.run_id)
+            .one(store.db())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(row.steps, 0, "the step is not counted");
+        std::fs::remove_dir_all(dir).ok();
+    }
 }

@@ -58,6 +58,18 @@ async fn lease_runs_out(server: &Server, run: &str) {
     }
 }
 
+/// How long an outage goes on after the lease ran out: the issue's
+/// `lease_secs + 3` s, a length of time the test sets, not a condition.
+const PAST_THE_LEASE: Duration = Duration::from_secs(3);
+
+/// Holds the database away from a process until its run's lease has been
+/// out for `PAST_THE_LEASE`.
+async fn outage_past_the_lease(server: &Server, proxy: &DbProxy, run: &str) {
+    proxy.cut();
+    lease_runs_out(server, run).await;
+    tokio::time::sleep(PAST_THE_LEASE).await;
+}
+
 /// The run ended with its one call made once, at attempt 1, and without
 /// a recovery.
 async fn ended_once(server: &Server, downstream: &Downstream, token: &str, run: &str) {
@@ -120,11 +132,11 @@ async fn an_outage_longer_than_the_lease(result_during_the_outage: bool) {
         .wait_for("the call", |d| d.requests_to("/gated").len() == 1)
         .await;
 
-    proxy.cut();
     if result_during_the_outage {
+        proxy.cut();
         downstream.open_gate();
     }
-    lease_runs_out(&server, &run).await;
+    outage_past_the_lease(&server, &proxy, &run).await;
     proxy.restore();
     if !result_during_the_outage {
         // The worker's own sweeps see its lapsed lease and leave it.
@@ -148,6 +160,41 @@ async fn a_result_that_comes_back_during_an_outage_is_committed_once_the_databas
         return;
     }
     an_outage_longer_than_the_lease(true).await;
+}
+
+/// The database goes away while the model streams a reply, for longer
+/// than the lease: the worker gives the run back once the database answers
+/// (its own sweep leaves it meanwhile), uncounted, and the run completes on
+/// its next claim. It was given up after one lease and then swept as a
+/// crash (`recoveries 1`; three such outages ended a run `RECOVERY_LIMIT`).
+#[tokio::test]
+async fn an_outage_longer_than_the_lease_while_the_model_streams_is_no_recovery() {
+    if !on_postgres() {
+        return;
+    }
+    let downstream = Downstream::start().await;
+    let config = config(&downstream, "", &[("tools", "")]);
+    let server = Server::start_with(ServerOptions {
+        config: config.clone(),
+        ..Default::default()
+    })
+    .await;
+    let proxy = DbProxy::start(server.database_url()).await;
+    let _worker = server
+        .companion_with("worker", &config, &[("TETHER_DATABASE_URL", &proxy.url)])
+        .await;
+    let token = server.token("acme", "ada");
+    let conversation = server.conversation_with(&token, "tools").await;
+    let (_, run) = server.send(&token, &conversation, "/hold 3").await;
+    server
+        .wait_for_run(&token, &run, |r| r["status"] == "RUNNING")
+        .await;
+
+    outage_past_the_lease(&server, &proxy, &run).await;
+    proxy.restore();
+    let ended = server.wait_until_ended(&token, &run).await;
+    assert_eq!(ended["status"], "COMPLETED", "{ended}");
+    assert_eq!(server.recoveries(&run).await, 0, "no recovery");
 }
 
 /// The database goes away for two workers at once, for longer than a

@@ -769,10 +769,20 @@ async fn requeues_racing_claims_never_run_two_runs_of_a_conversation_at_once() {
         principal: "ops",
         issuer: None,
     };
+    let mut requeued = 0;
     for run_id in &failed {
-        // Refused when the run behind it started first: either is fine.
-        let _ = queue::requeue(&store, operator, *run_id, "try again").await;
+        // Refused when the run behind it started first: either is fine,
+        // and nothing else is.
+        match queue::requeue(&store, operator, *run_id, "try again").await {
+            Ok(_) => requeued += 1,
+            Err(Error::Conflict(message)) => {
+                assert!(message.contains("a later run"), "{message}")
+            }
+            Err(err) => panic!("requeue failed: {err:?}"),
+        }
     }
+    // Some requeues raced the claims of the runs behind them.
+    assert!(requeued > 0, "every run behind its failed one had started");
     let deadline = tokio::time::Instant::now() + PATIENCE * 3;
     for c in &conversations {
         while !reads::unended_runs(store.db(), "acme", *c)
