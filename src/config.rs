@@ -105,6 +105,9 @@ pub struct RuntimeConfig {
     /// Runs of one principal waiting to run (queued, or waiting for a
     /// retry); a `sendMessage` past it is `RATE_LIMITED`. 0: no limit.
     pub max_waiting_runs_per_principal: u64,
+    /// The same for all of a tenant's principals together. 0 (the
+    /// default): no limit; the per-principal one bounds each principal.
+    pub max_waiting_runs_per_tenant: u64,
     /// How often workers look for runs without being woken.
     pub poll_ms: u64,
     /// How long shutdown waits for in-flight runs to reach a commit point.
@@ -134,6 +137,7 @@ impl Default for RuntimeConfig {
             concurrency: 16,
             max_runs_per_tenant: None,
             max_waiting_runs_per_principal: 1_000,
+            max_waiting_runs_per_tenant: 0,
             poll_ms: 1000,
             shutdown_grace_secs: 10.0,
             tool_concurrency: 4,
@@ -295,6 +299,11 @@ pub struct ApiConfig {
     /// open at once; one more is closed with 1013 (try again later).
     pub max_sockets_per_principal: usize,
     pub max_sockets_per_tenant: usize,
+    /// Queries and mutations one principal, and one tenant, may have
+    /// executing at once, over HTTP and WebSockets; one more is
+    /// `RATE_LIMITED`.
+    pub max_requests_per_principal: usize,
+    pub max_requests_per_tenant: usize,
     /// How long one frame may take to reach a WebSocket client before the
     /// connection is given up as stalled.
     pub ws_send_timeout_secs: u64,
@@ -364,6 +373,8 @@ impl Default for ApiConfig {
             max_subscriptions_per_tenant: 50_000,
             max_sockets_per_principal: 64,
             max_sockets_per_tenant: 8_192,
+            max_requests_per_principal: 64,
+            max_requests_per_tenant: 4_096,
             ws_send_timeout_secs: 10,
             header_read_timeout_secs: 10,
             keepalive_idle_secs: 60,
@@ -1194,6 +1205,11 @@ impl FileConfig {
                 api.max_sockets_per_principal,
             ),
             ("api.max_sockets_per_tenant", api.max_sockets_per_tenant),
+            (
+                "api.max_requests_per_principal",
+                api.max_requests_per_principal,
+            ),
+            ("api.max_requests_per_tenant", api.max_requests_per_tenant),
         ] {
             at_least(key, value, 1)?;
         }

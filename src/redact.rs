@@ -7,6 +7,7 @@
 use std::fmt;
 use std::sync::LazyLock;
 
+use percent_encoding::percent_decode_str;
 use regex::{Captures, Regex};
 
 /// What stands in for a masked secret.
@@ -79,31 +80,36 @@ pub fn origin(url: &str) -> String {
     format!("{scheme}://{host}")
 }
 
-/// Words that make a query parameter's name a secret's, whatever its value
-/// looks like (`hook_token`, `apiKey`, `X-Amz-Signature`, `client_secret`).
-const SECRET_NAMES: [&str; 7] = [
+/// Words that make a parameter's name a secret's, whatever its value looks
+/// like (`hook_token`, `apiKey`, `X-Amz-Signature`, `client_secret`, `pwd`).
+const SECRET_NAMES: [&str; 8] = [
     "token",
     "key",
     "secret",
     "sig",
     "pass",
+    "pwd",
     "auth",
     "credential",
 ];
 
-/// The query of a URL with the value of every parameter whose name names a
-/// secret masked, and anything key-like in the others.
-fn query(query: &str) -> String {
-    query
+/// Whether a parameter's name names a secret, read as the server that gets
+/// it reads it: percent escapes decoded (`hook%5Ftoken` is `hook_token`).
+fn names_a_secret(name: &str) -> bool {
+    let name = percent_decode_str(name)
+        .decode_utf8_lossy()
+        .to_ascii_lowercase();
+    SECRET_NAMES.iter().any(|word| name.contains(word))
+}
+
+/// `name=value&…` (a query, or a fragment such as an implicit grant's
+/// redirect) with the value of every secret-named parameter masked, and
+/// anything key-like in the others.
+fn parameters(pairs: &str) -> String {
+    pairs
         .split('&')
         .map(|pair| match pair.split_once('=') {
-            Some((name, _))
-                if SECRET_NAMES
-                    .iter()
-                    .any(|word| name.to_ascii_lowercase().contains(word)) =>
-            {
-                format!("{name}={MASK}")
-            }
+            Some((name, _)) if names_a_secret(name) => format!("{name}={MASK}"),
             _ => secrets(pair),
         })
         .collect::<Vec<_>>()
@@ -112,8 +118,8 @@ fn query(query: &str) -> String {
 
 /// A URL as it may be printed where its owner reads it (a start-up
 /// error, an operator's answer): user, host, port, path and query kept, a
-/// password removed, the values of secret-named query parameters masked,
-/// and secret-looking text anywhere else masked.
+/// password removed, the values of secret-named query and fragment
+/// parameters masked, and secret-looking text anywhere else masked.
 pub fn url(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else {
         return secrets(url);
@@ -127,15 +133,18 @@ pub fn url(url: &str) -> String {
         }
         None => authority.to_owned(),
     };
-    let (path, rest) = tail.split_at(tail.find(['?', '#']).unwrap_or(tail.len()));
-    let rest = match rest.strip_prefix('?') {
-        Some(after) => {
-            let (params, fragment) = after.split_at(after.find('#').unwrap_or(after.len()));
-            format!("?{}{}", query(params), secrets(fragment))
-        }
-        None => secrets(rest),
+    let (path, tail) = tail.split_at(tail.find(['?', '#']).unwrap_or(tail.len()));
+    let (query, fragment) = tail.split_at(tail.find('#').unwrap_or(tail.len()));
+    let query = match query.strip_prefix('?') {
+        Some(pairs) => format!("?{}", parameters(pairs)),
+        None => String::new(),
     };
-    format!("{scheme}://{authority}{}{rest}", secrets(path))
+    let fragment = match fragment.strip_prefix('#') {
+        Some(pairs) if pairs.contains('=') => format!("#{}", parameters(pairs)),
+        Some(text) => format!("#{}", secrets(text)),
+        None => String::new(),
+    };
+    format!("{scheme}://{authority}{}{query}{fragment}", secrets(path))
 }
 
 /// `Debug` for an optional secret: whether it is there, never what it is.
@@ -240,6 +249,28 @@ mod tests {
         assert_eq!(
             url("https://s3.example.com/b/o?X-Amz-Signature=f00&X-Amz-Expires=60"),
             "https://s3.example.com/b/o?X-Amz-Signature=[redacted]&X-Amz-Expires=60"
+        );
+    }
+
+    #[test]
+    fn encoded_names_short_names_and_fragment_parameters_are_masked() {
+        // A name written with percent escapes names the same parameter.
+        assert_eq!(
+            url("https://h.example.com/in?hook%5Ftoken=abc&%61pi_key=k&x=1"),
+            "https://h.example.com/in?hook%5Ftoken=[redacted]&%61pi_key=[redacted]&x=1"
+        );
+        assert_eq!(
+            url("ftp://h.example.com/f?user=u&pwd=hunter2"),
+            "ftp://h.example.com/f?user=u&pwd=[redacted]"
+        );
+        // An implicit grant's redirect carries its token in the fragment.
+        assert_eq!(
+            url("https://app.example.com/cb#access_token=abc&state=s&expires_in=3600"),
+            "https://app.example.com/cb#access_token=[redacted]&state=s&expires_in=3600"
+        );
+        assert_eq!(
+            url("https://app.example.com/cb?x=1#id%5Ftoken=abc"),
+            "https://app.example.com/cb?x=1#id%5Ftoken=[redacted]"
         );
     }
 

@@ -113,6 +113,7 @@ fn admitting_schema(services: Services, admission: &Arc<DocumentAdmission>) -> T
         .extension(QueryCost {
             timeout: limits.request_timeout(),
         })
+        .extension(quotas::InFlight(services.quotas.clone()))
         .data(services.clone())
         .finish()
 }

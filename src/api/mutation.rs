@@ -128,18 +128,31 @@ impl Mutation {
         services
             .rates
             .check(Action::SendMessage, &actor.tenant, &actor.principal)?;
-        let most = services.config.runtime.max_waiting_runs_per_principal;
-        if most > 0
-            && reads::waiting_runs_of(services.store.api_reads(), &actor.tenant, &actor.principal)
-                .await?
-                >= most
-        {
-            return Err(ApiError::RateLimited {
-                message: format!(
-                    "{most} runs of yours are waiting to run already; send again when some have started"
-                ),
-                retry_after_secs: 5,
-            });
+        let runtime = &services.config.runtime;
+        for (most, principal, whose) in [
+            (
+                runtime.max_waiting_runs_per_principal,
+                Some(actor.principal.as_str()),
+                "of yours",
+            ),
+            (
+                runtime.max_waiting_runs_per_tenant,
+                None,
+                "of your tenant's",
+            ),
+        ] {
+            if most > 0
+                && reads::waiting_runs_of(services.store.api_reads(), &actor.tenant, principal)
+                    .await?
+                    >= most
+            {
+                return Err(ApiError::RateLimited {
+                    message: format!(
+                        "{most} runs {whose} are waiting to run already; send again when some have started"
+                    ),
+                    retry_after_secs: 5,
+                });
+            }
         }
         let config = services.config.clone();
         let max_attempts = MaxAttempts::ByAgent(Arc::new(move |agent| {

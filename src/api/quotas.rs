@@ -1,14 +1,18 @@
-//! What one principal, and one tenant, may hold at once: WebSockets and
-//! subscriptions. Each is a count per key, taken by a guard and given back
-//! when the guard drops, so that one principal cannot take every socket or
-//! subscription the process serves, and another tenant's still open.
+//! What one principal, and one tenant, may hold at once: WebSockets,
+//! subscriptions, and queries and mutations in flight. Each is a count per
+//! key, taken by a guard and given back when the guard drops, so that one
+//! principal cannot take every socket, subscription or request the process
+//! serves, and another tenant's are still served.
 
 use std::collections::HashMap;
 use std::hash::Hash;
 use std::sync::{Arc, Mutex, PoisonError};
 
+use async_graphql::extensions::{Extension, ExtensionContext, ExtensionFactory, NextExecute};
+use async_graphql::{Pos, Response};
 use tokio::sync::OwnedSemaphorePermit;
 
+use super::auth::Viewer;
 use super::error::ApiError;
 use crate::config::ApiConfig;
 
@@ -116,10 +120,11 @@ impl Shares {
     }
 }
 
-/// The shares of the process's sockets and subscriptions.
+/// The shares of the process's sockets, subscriptions and requests.
 pub struct Quotas {
     sockets: Shares,
     subscriptions: Shares,
+    requests: Shares,
 }
 
 /// A subscription's hold: the process's permit (`api.max_subscriptions`)
@@ -142,6 +147,11 @@ impl Quotas {
                 api.max_subscriptions_per_tenant,
                 "subscriptions",
             ),
+            requests: Shares::new(
+                api.max_requests_per_principal,
+                api.max_requests_per_tenant,
+                "requests in flight",
+            ),
         }
     }
 
@@ -161,6 +171,38 @@ impl Quotas {
             _share: self.subscriptions.take(tenant, principal)?,
             _process: permit,
         })
+    }
+}
+
+/// Holds the caller's share of requests in flight while a query or a
+/// mutation executes, over HTTP or a WebSocket alike (subscriptions hold
+/// theirs for as long as they are served). Past it, the operation is
+/// `RATE_LIMITED` and nothing of it runs.
+pub struct InFlight(pub Arc<Quotas>);
+
+impl ExtensionFactory for InFlight {
+    fn create(&self) -> Arc<dyn Extension> {
+        Arc::new(InFlight(self.0.clone()))
+    }
+}
+
+#[async_trait::async_trait]
+impl Extension for InFlight {
+    async fn execute(
+        &self,
+        ctx: &ExtensionContext<'_>,
+        operation_name: Option<&str>,
+        next: NextExecute<'_>,
+    ) -> Response {
+        let Some(viewer) = ctx.data_opt::<Viewer>() else {
+            return next.run(ctx, operation_name).await;
+        };
+        match self.0.requests.take(&viewer.tenant, &viewer.principal) {
+            Ok(_held) => next.run(ctx, operation_name).await,
+            Err(refused) => Response::from_errors(vec![
+                async_graphql::Error::from(refused).into_server_error(Pos::default()),
+            ]),
+        }
     }
 }
 
@@ -197,5 +239,89 @@ mod tests {
         // A refusal by the tenant gives back what the principal took.
         assert_eq!(shares.principal.holding(&("acme".into(), "cy".into())), 0);
         assert!(shares.take("globex", "eve").is_ok());
+    }
+
+    /// A query that runs until the test lets it end.
+    struct Slow(Arc<tokio::sync::Semaphore>);
+
+    #[async_graphql::Object]
+    impl Slow {
+        async fn slow(&self) -> bool {
+            let _go = self.0.acquire().await;
+            true
+        }
+    }
+
+    fn viewer(tenant: &str, principal: &str) -> Viewer {
+        Viewer {
+            tenant: tenant.into(),
+            principal: principal.into(),
+            expires_at: i64::MAX,
+            operator: false,
+            delegate: false,
+            issuer: None,
+        }
+    }
+
+    #[tokio::test]
+    async fn requests_in_flight_are_counted_per_principal_and_tenant_while_they_execute() {
+        use async_graphql::{EmptyMutation, EmptySubscription, Request, Schema};
+        let quotas = Arc::new(Quotas::new(&ApiConfig {
+            max_requests_per_principal: 2,
+            max_requests_per_tenant: 3,
+            ..ApiConfig::default()
+        }));
+        let gate = Arc::new(tokio::sync::Semaphore::new(0));
+        let schema = Schema::build(Slow(gate.clone()), EmptyMutation, EmptySubscription)
+            .extension(InFlight(quotas.clone()))
+            .finish();
+        let run = |tenant: &str, principal: &str| {
+            let (schema, viewer) = (schema.clone(), viewer(tenant, principal));
+            tokio::spawn(async move { schema.execute(Request::new("{ slow }").data(viewer)).await })
+        };
+        let held = |tenant: &str, principal: &str| {
+            quotas
+                .requests
+                .principal
+                .holding(&(tenant.to_owned(), principal.to_owned()))
+        };
+        let ada = [run("acme", "ada"), run("acme", "ada")];
+        while held("acme", "ada") < 2 {
+            tokio::task::yield_now().await;
+        }
+        let refused = |response: Response, whose: &str| {
+            let err = &response.errors[0];
+            let extensions = err.extensions.as_ref().unwrap();
+            assert_eq!(
+                extensions.get("code"),
+                Some(&async_graphql::Value::from("RATE_LIMITED")),
+                "{err:?}"
+            );
+            assert!(extensions.get("retryAfter").is_some(), "{err:?}");
+            assert!(err.message.contains(whose), "{}", err.message);
+            assert_eq!(response.data, async_graphql::Value::Null);
+        };
+        refused(run("acme", "ada").await.unwrap(), "one person");
+        // Bob of the same tenant has a share of his own, up to the tenant's.
+        let bob = run("acme", "bob");
+        while held("acme", "bob") < 1 {
+            tokio::task::yield_now().await;
+        }
+        refused(run("acme", "cy").await.unwrap(), "one tenant");
+        // Another tenant's request is let in while acme holds its share.
+        let eve = run("globex", "eve");
+        while held("globex", "eve") < 1 {
+            tokio::task::yield_now().await;
+        }
+        // Each query lets the next through as it ends.
+        gate.add_permits(1);
+        let [first, second] = ada;
+        for answered in [first, second, bob, eve] {
+            let response = answered.await.unwrap();
+            assert!(response.errors.is_empty(), "{:?}", response.errors);
+        }
+        assert_eq!(held("acme", "ada"), 0, "given back when they end");
+        let again = run("acme", "ada").await.unwrap();
+        assert!(again.errors.is_empty(), "{:?}", again.errors);
     }
 }

@@ -704,7 +704,8 @@ pub(crate) mod test_support {
     }
 }
 
-/// Creates `file`, empty and private to its owner, unless it exists.
+/// Creates `file`, empty and private to its owner, unless it exists; an
+/// existing one that others may read or write is made private.
 fn create_private(file: &std::path::Path) -> std::io::Result<()> {
     let mut options = std::fs::OpenOptions::new();
     options.write(true).create_new(true);
@@ -712,8 +713,43 @@ fn create_private(file: &std::path::Path) -> std::io::Result<()> {
     std::os::unix::fs::OpenOptionsExt::mode(&mut options, 0o600);
     match options.open(file) {
         Ok(_) => Ok(()),
-        Err(err) if err.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
+        Err(err) if err.kind() == std::io::ErrorKind::AlreadyExists => {
+            #[cfg(unix)]
+            make_private(file);
+            Ok(())
+        }
         Err(err) => Err(err),
+    }
+}
+
+/// Makes an existing database file, and its WAL and shared-memory files,
+/// its owner's only (0600) if others may read or write them: files an
+/// earlier version created 0644 are tightened when the server next opens
+/// them, with a warning.
+#[cfg(unix)]
+fn make_private(file: &std::path::Path) {
+    use std::os::unix::fs::PermissionsExt;
+    for suffix in ["", "-wal", "-shm"] {
+        let mut name = file.as_os_str().to_owned();
+        name.push(suffix);
+        let path = std::path::PathBuf::from(name);
+        let Ok(metadata) = std::fs::metadata(&path) else {
+            continue;
+        };
+        if metadata.permissions().mode() & 0o077 == 0 {
+            continue;
+        }
+        match std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)) {
+            Ok(()) => tracing::warn!(
+                file = %path.display(),
+                "the database file was open to other users; it is now its owner's only (0600)"
+            ),
+            Err(err) => tracing::warn!(
+                file = %path.display(),
+                error = %err,
+                "the database file is open to other users and could not be made private"
+            ),
+        }
     }
 }
 
@@ -808,6 +844,35 @@ mod tests {
         }
         assert!(seen.iter().all(|(_, mode)| *mode == 0o600), "{seen:?}");
         drop(store);
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    /// A database an earlier version created 0644 is made private when it
+    /// is next opened, its WAL and shared-memory files too.
+    #[cfg(unix)]
+    #[tokio::test]
+    async fn sqlite_files_open_to_others_are_made_private_when_opened() {
+        use std::os::unix::fs::PermissionsExt;
+        let (store, dir) = temp_store().await;
+        super::test_support::conversation(&store).await;
+        let files: Vec<_> = ["t.db", "t.db-wal", "t.db-shm"]
+            .map(|name| dir.join(name))
+            .into_iter()
+            .filter(|path| path.exists())
+            .collect();
+        assert_eq!(files.len(), 3, "{files:?}");
+        for file in &files {
+            std::fs::set_permissions(file, std::fs::Permissions::from_mode(0o644)).unwrap();
+        }
+        let url = format!("sqlite://{}?mode=rwc", dir.join("t.db").display());
+        let again = Store::open(&url, crate::bus::Bus::new(), &super::Pools::default())
+            .await
+            .unwrap();
+        for file in &files {
+            let mode = std::fs::metadata(file).unwrap().permissions().mode() & 0o777;
+            assert_eq!(mode, 0o600, "{}", file.display());
+        }
+        drop((store, again));
         std::fs::remove_dir_all(dir).unwrap();
     }
 }

@@ -381,23 +381,24 @@ pub async fn interaction<C: ConnectionTrait>(
     owned::<interaction::Entity, _>(db, interaction::Column::Tenant, tenant, id).await
 }
 
-/// How many runs of `principal`'s are waiting to run (queued, or waiting
-/// for a retry).
+/// How many runs of `principal`'s, or of the whole tenant's without one,
+/// are waiting to run (queued, or waiting for a retry).
 pub async fn waiting_runs_of<C: ConnectionTrait>(
     db: &C,
     tenant: &str,
-    principal: &str,
+    principal: Option<&str>,
 ) -> Result<u64> {
     use sea_orm::PaginatorTrait;
-    Ok(run::Entity::find()
+    let mut waiting = run::Entity::find()
         .filter(
             run::Column::Status
                 .is_in([RunStatus::Queued.as_str(), RunStatus::RetryPending.as_str()]),
         )
-        .filter(run::Column::Tenant.eq(tenant))
-        .filter(run::Column::Principal.eq(principal))
-        .count(db)
-        .await?)
+        .filter(run::Column::Tenant.eq(tenant));
+    if let Some(principal) = principal {
+        waiting = waiting.filter(run::Column::Principal.eq(principal));
+    }
+    Ok(waiting.count(db).await?)
 }
 
 /// An interaction of a run `actor` may act on (its own, or any of its

@@ -85,6 +85,34 @@ async fn ended_once(server: &Server, downstream: &Downstream, token: &str, run: 
     assert_eq!(server.recoveries(run).await, 0, "no recovery");
 }
 
+/// A server with no workers of its own (the test starts them), and the
+/// configuration they share: lease 3 s, the `tools` agent calling
+/// `downstream`.
+async fn api_server(config: &str) -> Server {
+    Server::start_with(ServerOptions {
+        config: config.to_owned(),
+        ..Default::default()
+    })
+    .await
+}
+
+/// Ada's run of `text` with the `tools` agent: its token and run id.
+async fn adas_run(server: &Server, text: &str) -> (String, String) {
+    let token = server.token("acme", "ada");
+    let conversation = server.conversation_with(&token, "tools").await;
+    let (_, run) = server.send(&token, &conversation, text).await;
+    (token, run)
+}
+
+/// Ada's run of the gated call, once the call has reached `downstream`.
+async fn the_call_under_way(server: &Server, downstream: &Downstream) -> (String, String) {
+    let (token, run) = adas_run(server, CALL).await;
+    downstream
+        .wait_for("the call", |d| d.requests_to("/gated").len() == 1)
+        .await;
+    (token, run)
+}
+
 #[tokio::test]
 async fn a_process_whose_clock_runs_ahead_leaves_a_live_lease_alone() {
     if !on_postgres() {
@@ -93,12 +121,7 @@ async fn a_process_whose_clock_runs_ahead_leaves_a_live_lease_alone() {
     let downstream = Downstream::start().await;
     let config = config(&downstream, "", &[("tools", "")]);
     let server = Server::start_workers(&config).await;
-    let token = server.token("acme", "ada");
-    let conversation = server.conversation_with(&token, "tools").await;
-    let (_, run) = server.send(&token, &conversation, CALL).await;
-    downstream
-        .wait_for("the call", |d| d.requests_to("/gated").len() == 1)
-        .await;
+    let (token, run) = the_call_under_way(&server, &downstream).await;
     // A second worker whose clock is 20 s ahead: by its clock the lease
     // (3 s) ran out long ago, by the database's it is renewed.
     let ahead = server
@@ -110,27 +133,41 @@ async fn a_process_whose_clock_runs_ahead_leaves_a_live_lease_alone() {
     ended_once(&server, &downstream, &token, &run).await;
 }
 
+/// A worker whose clock is 20 s behind claims the run and renews its
+/// lease: on its own clock the lease it wrote would have run out 17 s
+/// before it was taken, so another worker's sweeps would take the run at
+/// once; on the database's it is live, and stays so.
+#[tokio::test]
+async fn a_process_whose_clock_runs_behind_claims_and_renews_a_live_lease() {
+    if !on_postgres() {
+        return;
+    }
+    let downstream = Downstream::start().await;
+    let config = config(&downstream, "", &[("tools", "")]);
+    let server = api_server(&config).await;
+    let _behind = server
+        .companion_with("worker", &config, &[("TETHER_CLOCK_SKEW_MS", "-20000")])
+        .await;
+    let (token, run) = the_call_under_way(&server, &downstream).await;
+    let sweeper = server.companion_with("worker", &config, &[]).await;
+    sweeps_pass(&sweeper, 3).await;
+    assert!(!server.lease_ran_out(&run).await);
+    downstream.open_gate();
+    ended_once(&server, &downstream, &token, &run).await;
+}
+
 /// The worker reaches the database through a relay the test cuts while
 /// its call runs, for longer than its lease; the call's result comes back
 /// after the database does, or while it is still away.
 async fn an_outage_longer_than_the_lease(result_during_the_outage: bool) {
     let downstream = Downstream::start().await;
     let config = config(&downstream, "", &[("tools", "")]);
-    let server = Server::start_with(ServerOptions {
-        config: config.clone(),
-        ..Default::default()
-    })
-    .await;
+    let server = api_server(&config).await;
     let proxy = DbProxy::start(server.database_url()).await;
     let worker = server
         .companion_with("worker", &config, &[("TETHER_DATABASE_URL", &proxy.url)])
         .await;
-    let token = server.token("acme", "ada");
-    let conversation = server.conversation_with(&token, "tools").await;
-    let (_, run) = server.send(&token, &conversation, CALL).await;
-    downstream
-        .wait_for("the call", |d| d.requests_to("/gated").len() == 1)
-        .await;
+    let (token, run) = the_call_under_way(&server, &downstream).await;
 
     if result_during_the_outage {
         proxy.cut();
@@ -174,18 +211,12 @@ async fn an_outage_longer_than_the_lease_while_the_model_streams_is_no_recovery(
     }
     let downstream = Downstream::start().await;
     let config = config(&downstream, "", &[("tools", "")]);
-    let server = Server::start_with(ServerOptions {
-        config: config.clone(),
-        ..Default::default()
-    })
-    .await;
+    let server = api_server(&config).await;
     let proxy = DbProxy::start(server.database_url()).await;
     let _worker = server
         .companion_with("worker", &config, &[("TETHER_DATABASE_URL", &proxy.url)])
         .await;
-    let token = server.token("acme", "ada");
-    let conversation = server.conversation_with(&token, "tools").await;
-    let (_, run) = server.send(&token, &conversation, "/hold 3").await;
+    let (token, run) = adas_run(&server, "/hold 3").await;
     server
         .wait_for_run(&token, &run, |r| r["status"] == "RUNNING")
         .await;
@@ -216,11 +247,7 @@ async fn after_an_outage_a_process_gives_live_workers_time_to_renew_before_it_sw
         1,
     );
     assert!(config.contains("lease_secs = 4"), "{config}");
-    let server = Server::start_with(ServerOptions {
-        config: config.clone(),
-        ..Default::default()
-    })
-    .await;
+    let server = api_server(&config).await;
     let (to_runner, to_sweeper) = (
         DbProxy::start(server.database_url()).await,
         DbProxy::start(server.database_url()).await,
@@ -232,12 +259,7 @@ async fn after_an_outage_a_process_gives_live_workers_time_to_renew_before_it_sw
             &[("TETHER_DATABASE_URL", &to_runner.url)],
         )
         .await;
-    let token = server.token("acme", "ada");
-    let conversation = server.conversation_with(&token, "tools").await;
-    let (_, run) = server.send(&token, &conversation, CALL).await;
-    downstream
-        .wait_for("the call", |d| d.requests_to("/gated").len() == 1)
-        .await;
+    let (token, run) = the_call_under_way(&server, &downstream).await;
     let sweeper = server
         .companion_with(
             "worker",

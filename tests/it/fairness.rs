@@ -110,6 +110,19 @@ async fn a_tenant_cap_leaves_the_tenants_other_runs_queued() {
     assert_eq!(claim(&store, 10).await.len(), 2, "without it the rest go");
 }
 
+/// Milliseconds from `from` to `to`, two of a run's timestamps.
+fn millis_between(run: &serde_json::Value, from: &str, to: &str) -> i64 {
+    let at = |field: &str| {
+        chrono::DateTime::parse_from_rfc3339(run[field].as_str().unwrap_or_else(|| {
+            panic!("{run} has no {field}");
+        }))
+        .unwrap()
+    };
+    (at(to) - at(from)).num_milliseconds()
+}
+
+const RUN_TIMES: &str = "query($r: ID!) { run(id: $r) { status createdAt startedAt endedAt } }";
+
 #[tokio::test]
 async fn another_tenants_short_run_goes_before_a_floods_queued_runs() {
     let config = r#"
@@ -130,11 +143,11 @@ stream_delay_ms = 5
     let server = Server::start_workers(config).await;
     let flood = server.token("flood", "fred");
     let mut runs = Vec::new();
-    for _ in 0..8 {
+    for _ in 0..20 {
         let conversation = server.create_conversation(&flood).await;
         runs.push(server.send(&flood, &conversation, "/hold 2").await.1);
     }
-    // Every slot is taken by the flood, and four of its runs wait.
+    // Every slot is taken by the flood, and sixteen of its runs wait.
     for run in &runs[..4] {
         server
             .wait_for_run(&flood, run, |r| r["status"] != "QUEUED")
@@ -144,16 +157,7 @@ stream_delay_ms = 5
         let run = run.to_owned();
         let server = &server;
         let flood = &flood;
-        async move {
-            server
-                .gql(
-                    flood,
-                    "query($r: ID!) { run(id: $r) { status startedAt } }",
-                    json!({ "r": run }),
-                )
-                .await["run"]
-                .clone()
-        }
+        async move { server.gql(flood, RUN_TIMES, json!({ "r": run })).await["run"].clone() }
     };
     let mut waiting = Vec::new();
     for run in &runs[4..] {
@@ -161,23 +165,18 @@ stream_delay_ms = 5
             waiting.push(run.clone());
         }
     }
-    assert!(!waiting.is_empty(), "the flood has runs queued");
+    assert!(
+        waiting.len() >= 12,
+        "the flood has runs queued: {waiting:?}"
+    );
 
     let quiet = server.token("quiet", "quinn");
     let conversation = server.create_conversation(&quiet).await;
     let (_, short) = server.send(&quiet, &conversation, "hello").await;
     let done = server.wait_until_ended(&quiet, &short).await;
     assert_eq!(done["status"], "COMPLETED", "{done}");
-    let short_started = server
-        .gql(
-            &quiet,
-            "query($r: ID!) { run(id: $r) { startedAt } }",
-            json!({ "r": short }),
-        )
-        .await["run"]["startedAt"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+    let short_run = server.gql(&quiet, RUN_TIMES, json!({ "r": short })).await["run"].clone();
+    let short_started = short_run["startedAt"].as_str().unwrap().to_owned();
     // It took the first slot that came free: every flood run that was
     // queued when it was sent started after it, if at all yet.
     for run in &waiting {
@@ -189,7 +188,18 @@ stream_delay_ms = 5
             );
         }
     }
+    let mut longest = 0;
     for run in &runs {
-        server.wait_until_ended(&flood, run).await;
+        let ended = server.wait_until_ended(&flood, run).await;
+        assert_eq!(ended["status"], "COMPLETED", "{ended}");
+        longest = longest.max(millis_between(&status(run).await, "startedAt", "endedAt"));
     }
+    // So it waited no longer than one flood run lasts before it started
+    // (in line it would have waited for four: sixteen runs ahead of it over
+    // four slots), and completed within one run's time plus its own.
+    let waited = millis_between(&short_run, "createdAt", "startedAt");
+    assert!(
+        waited <= longest,
+        "waited {waited} ms, a flood run lasts {longest} ms"
+    );
 }

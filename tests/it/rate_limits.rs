@@ -101,11 +101,11 @@ async fn a_principal_past_its_rate_is_told_when_to_come_back_and_nothing_is_writ
 }
 
 #[tokio::test]
-async fn a_principal_with_as_many_runs_waiting_as_allowed_is_told_to_wait() {
+async fn a_principal_or_tenant_with_as_many_runs_waiting_as_allowed_is_told_to_wait() {
     // No workers here: every run stays queued.
     let server = Server::start_with(crate::support::ServerOptions {
         config: format!(
-            "{}\n[runtime]\nmax_waiting_runs_per_principal = 2\n",
+            "{}\n[runtime]\nmax_waiting_runs_per_principal = 2\nmax_waiting_runs_per_tenant = 3\n",
             crate::support::BASE_CONFIG
         ),
         ..Default::default()
@@ -116,8 +116,14 @@ async fn a_principal_with_as_many_runs_waiting_as_allowed_is_told_to_wait() {
     server.send(&ada, &conversation, "one").await;
     server.send(&ada, &conversation, "two").await;
     let message = refused_send(&server, &ada, &conversation, "three").await;
-    assert!(message.contains("waiting"), "{message}");
-    // Bob's runs are his own count.
+    assert!(message.contains("of yours are waiting"), "{message}");
+    // Bob's runs are his own count, within the tenant's.
     let bob = server.token("acme", "bob");
     server.send(&bob, &conversation, "bob's").await;
+    let message = refused_send(&server, &bob, &conversation, "bob's second").await;
+    assert!(message.contains("of your tenant's"), "{message}");
+    // Another tenant's count is its own.
+    let eve = server.token("globex", "eve");
+    let elsewhere = server.create_conversation(&eve).await;
+    server.send(&eve, &elsewhere, "eve's").await;
 }

@@ -25,8 +25,12 @@ async fn cursor(server: &Server, token: &str, conversation: &str) -> serde_json:
 
 #[tokio::test]
 async fn one_principal_at_its_caps_leaves_another_tenant_served() {
+    // The process serves one socket and one subscription more than Ada's
+    // caps: without them, hers would take the last of each and Eve would be
+    // refused (503, UNAVAILABLE).
     let server = Server::with_api(
-        "max_sockets_per_principal = 2\nmax_subscriptions_per_principal = 2\nmax_connections = 32",
+        "max_sockets_per_principal = 2\nmax_subscriptions_per_principal = 2\n\
+         max_connections = 32\nmax_websockets = 3\nmax_subscriptions = 3",
     )
     .await;
     let ada = server.token("acme", "ada");
