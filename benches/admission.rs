@@ -10,15 +10,16 @@
 //! `TETHER_BENCH_QUICK=1`: shorter phases.
 //!
 //! The server runs in this process on a runtime built as the binary's is
-//! (multi-threaded, a worker per core); the clients run on a runtime of
-//! their own, on another thread, so that their timers do not wait on the
-//! server's threads. The documents:
+//! (multi-threaded, a worker per core); the senders run on a runtime of
+//! their own on another thread, and the probe on a third, so that neither
+//! the server's threads nor the senders' decoding delay the probe's timer.
+//! The documents:
 //! - `expanding`: fragments spreading the next one twice, 12 levels deep:
 //!   4,096 fields, and about 37,000 selections as admission counts them,
 //!   under `max_query_nodes` (50,000): admitted, validated on the blocking
 //!   pool (one at a time) and executed;
 //! - `bomb`: the same 29 levels deep, refused by admission;
-//! - `long`: 230 KiB of fields and fragments, parsed and validated on the
+//! - `long`: 213 KiB of fields and fragments, parsed and validated on the
 //!   blocking pool, and executed.
 
 mod common;
@@ -76,7 +77,7 @@ fn doubling(levels: usize) -> String {
     query
 }
 
-/// About 230 KiB: fragments of many fields each, all spread.
+/// About 213 KiB: fragments of many fields each, all spread.
 fn long_document() -> String {
     let fields = "__type(name: \"ConversationEvent\") { name } ".repeat(50);
     let mut query = String::from("{ __typename");
@@ -193,6 +194,7 @@ struct Report {
 }
 
 /// Posts GraphQL requests as the bench's principal.
+#[derive(Clone)]
 struct Client {
     http: reqwest::Client,
     base: String,
@@ -270,7 +272,7 @@ async fn measure(client: &Client, loads: &[Arc<Load>], phase: Duration) -> Repor
         alone.push((load.name, started.elapsed(), answer.get("errors").is_none()));
     }
 
-    let idle = probe(client, phase).await;
+    let idle = probe_apart(client, phase).await;
     let stop = Arc::new(AtomicBool::new(false));
     let mut senders = Vec::new();
     for i in 0..SENDERS {
@@ -296,7 +298,7 @@ async fn measure(client: &Client, loads: &[Arc<Load>], phase: Duration) -> Repor
             }
         }));
     }
-    let loaded = probe(client, phase).await;
+    let loaded = probe_apart(client, phase).await;
     stop.store(true, Ordering::Relaxed);
     for sender in senders {
         sender.await.unwrap();
@@ -306,6 +308,24 @@ async fn measure(client: &Client, loads: &[Arc<Load>], phase: Duration) -> Repor
         loaded,
         alone,
     }
+}
+
+/// `probe` on a thread and runtime of its own, apart from the senders', with
+/// connections of its own (a connection belongs to the runtime that made it).
+async fn probe_apart(client: &Client, phase: Duration) -> Vec<Duration> {
+    let client = Client {
+        http: reqwest::Client::new(),
+        ..client.clone()
+    };
+    tokio::task::spawn_blocking(move || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+            .block_on(probe(&client, phase))
+    })
+    .await
+    .unwrap()
 }
 
 /// `/healthz` every `PROBE_EVERY` for `phase`; each answer's latency.

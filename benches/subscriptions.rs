@@ -222,6 +222,7 @@ fn start(kind: Kind, workers: bool, stream_delay_ms: usize) -> Server {
                  conversations_per_minute = 0\ntenant_conversations_per_minute = 0\n\
                  max_subscriptions_per_principal = 100000\nmax_subscriptions_per_tenant = 100000\n\
                  max_sockets_per_principal = 60000\nmax_sockets_per_tenant = 60000\n\
+                 max_requests_per_principal = 100000\nmax_requests_per_tenant = 100000\n\
                  [[agents]]\nname = \"demo\"\nprovider = \"scripted\"\nstream_delay_ms = {stream_delay_ms}\n"
             );
             std::fs::write(dir.join("tether.toml"), config).unwrap();

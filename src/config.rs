@@ -299,9 +299,9 @@ pub struct ApiConfig {
     /// open at once; one more is closed with 1013 (try again later).
     pub max_sockets_per_principal: usize,
     pub max_sockets_per_tenant: usize,
-    /// Queries and mutations one principal, and one tenant, may have
-    /// executing at once, over HTTP and WebSockets; one more is
-    /// `RATE_LIMITED`.
+    /// Queries and mutations one principal, and one tenant, may have in
+    /// flight at once (from before the document is parsed to the answer),
+    /// over HTTP and WebSockets; one more is `RATE_LIMITED`.
     pub max_requests_per_principal: usize,
     pub max_requests_per_tenant: usize,
     /// How long one frame may take to reach a WebSocket client before the

@@ -36,7 +36,7 @@ use std::time::Duration;
 use async_graphql::extensions::{
     Extension, ExtensionContext, ExtensionFactory, NextPrepareRequest, NextValidation,
 };
-use async_graphql::parser::types::{ExecutableDocument, Selection, SelectionSet};
+use async_graphql::parser::types::{ExecutableDocument, OperationType, Selection, SelectionSet};
 use async_graphql::{Name, Request, ServerError, ServerResult, ValidationResult};
 use tokio::sync::Semaphore;
 
@@ -506,6 +506,25 @@ impl Extension for RequestAdmission {
         tokio::task::block_in_place(|| futures_util::FutureExt::now_or_never(next.run(ctx)))
             .unwrap_or_else(|| Err(vec![Refusal::Busy.into()]))
     }
+}
+
+/// The type of the operation a request would run; `None` when it does not
+/// parse or names no operation it has (the executor refuses those).
+pub fn operation_type(request: &mut Request) -> Option<OperationType> {
+    let name = request.operation_name.clone();
+    operation_of(request.parsed_query().ok()?, name.as_deref())
+}
+
+/// The type of the operation `name` (or the only one) of a document.
+pub fn operation_of(document: &ExecutableDocument, name: Option<&str>) -> Option<OperationType> {
+    document
+        .operations
+        .iter()
+        .find(|(op_name, _)| match name {
+            Some(name) => op_name.is_some_and(|n| n.as_str() == name),
+            None => true,
+        })
+        .map(|(_, op)| op.node.ty)
 }
 
 #[cfg(test)]

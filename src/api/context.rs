@@ -15,6 +15,7 @@ use sea_orm::DatabaseTransaction;
 use tokio::sync::OnceCell;
 use uuid::Uuid;
 
+use super::admission::operation_type;
 use super::auth::Viewer;
 use super::error::{ApiError, ApiResult};
 use crate::config::FileConfig;
@@ -233,21 +234,6 @@ impl Extension for Snapshots {
         }
         next.run(ctx, request).await
     }
-}
-
-/// The type of the operation a request would run; `None` when it does not
-/// parse or names no operation it has (the executor refuses those).
-pub fn operation_type(request: &mut Request) -> Option<OperationType> {
-    let name = request.operation_name.clone();
-    let document = request.parsed_query().ok()?;
-    document
-        .operations
-        .iter()
-        .find(|(op_name, _)| match &name {
-            Some(name) => op_name.is_some_and(|n| n.as_str() == name),
-            None => true,
-        })
-        .map(|(_, op)| op.node.ty)
 }
 
 /// The request's snapshot. Every query and mutation has one (`Snapshots`);

@@ -10,8 +10,8 @@ use http_body_util::BodyExt;
 
 use async_graphql::parser::types::OperationType;
 
+use super::admission::operation_type;
 use super::auth::AuthError;
-use super::context::operation_type;
 use super::error::bad_request;
 use super::{AppState, ws};
 

@@ -87,8 +87,12 @@ pub fn schema(services: Services) -> TetherSchema {
 fn admitting_schema(services: Services, admission: &Arc<DocumentAdmission>) -> TetherSchema {
     let limits = &services.config.api;
     let (query, mutation, subscription) = roots();
-    // Admitted first: nothing else of the schema sees a document before.
-    let builder = Schema::build(query, mutation, subscription).extension(admission.extension());
+    // The caller's share of requests in flight is taken before anything
+    // else (it reads no document), then the document is admitted: nothing
+    // else of the schema sees a document before.
+    let builder = Schema::build(query, mutation, subscription)
+        .extension(quotas::InFlight(services.quotas.clone()))
+        .extension(admission.extension());
     // Without the playground, the schema is not handed out either, and a
     // request that asks for it is told so.
     let builder = if limits.playground {
@@ -113,7 +117,6 @@ fn admitting_schema(services: Services, admission: &Arc<DocumentAdmission>) -> T
         .extension(QueryCost {
             timeout: limits.request_timeout(),
         })
-        .extension(quotas::InFlight(services.quotas.clone()))
         .data(services.clone())
         .finish()
 }

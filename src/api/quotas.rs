@@ -4,14 +4,19 @@
 //! principal cannot take every socket, subscription or request the process
 //! serves, and another tenant's are still served.
 
+use std::any::TypeId;
 use std::collections::HashMap;
 use std::hash::Hash;
 use std::sync::{Arc, Mutex, PoisonError};
 
-use async_graphql::extensions::{Extension, ExtensionContext, ExtensionFactory, NextExecute};
-use async_graphql::{Pos, Response};
+use async_graphql::extensions::{
+    Extension, ExtensionContext, ExtensionFactory, NextParseQuery, NextPrepareRequest,
+};
+use async_graphql::parser::types::{ExecutableDocument, OperationType};
+use async_graphql::{Request, ServerError, ServerResult, Variables};
 use tokio::sync::OwnedSemaphorePermit;
 
+use super::admission::operation_of;
 use super::auth::Viewer;
 use super::error::ApiError;
 use crate::config::ApiConfig;
@@ -174,36 +179,83 @@ impl Quotas {
     }
 }
 
-/// Holds the caller's share of requests in flight while a query or a
-/// mutation executes, over HTTP or a WebSocket alike (subscriptions hold
-/// theirs for as long as they are served). Past it, the operation is
-/// `RATE_LIMITED` and nothing of it runs.
+/// Holds the caller's share of requests in flight from before its document
+/// is admitted (the schema's first extension) until its answer, for queries
+/// and mutations over HTTP or a WebSocket alike; a subscription gives it
+/// back once its document shows it is one (it holds a share of
+/// subscriptions for as long as it is served). Past the share, the request
+/// is `RATE_LIMITED` and nothing of it is parsed or runs.
 pub struct InFlight(pub Arc<Quotas>);
 
 impl ExtensionFactory for InFlight {
     fn create(&self) -> Arc<dyn Extension> {
-        Arc::new(InFlight(self.0.clone()))
+        Arc::new(RequestInFlight {
+            quotas: self.0.clone(),
+            held: Mutex::new(None),
+        })
     }
 }
 
+/// One request's hold, given back when the request's extensions drop.
+struct RequestInFlight {
+    quotas: Arc<Quotas>,
+    /// The share, and the name of the operation the request runs.
+    held: Mutex<Option<(Share, Option<String>)>>,
+}
+
 #[async_trait::async_trait]
-impl Extension for InFlight {
-    async fn execute(
+impl Extension for RequestInFlight {
+    async fn prepare_request(
         &self,
         ctx: &ExtensionContext<'_>,
-        operation_name: Option<&str>,
-        next: NextExecute<'_>,
-    ) -> Response {
-        let Some(viewer) = ctx.data_opt::<Viewer>() else {
-            return next.run(ctx, operation_name).await;
-        };
-        match self.0.requests.take(&viewer.tenant, &viewer.principal) {
-            Ok(_held) => next.run(ctx, operation_name).await,
-            Err(refused) => Response::from_errors(vec![
-                async_graphql::Error::from(refused).into_server_error(Pos::default()),
-            ]),
+        request: Request,
+        next: NextPrepareRequest<'_>,
+    ) -> ServerResult<Request> {
+        // Over HTTP the viewer comes with the request, over a WebSocket
+        // with its connection.
+        let viewer = request
+            .data
+            .get(&TypeId::of::<Viewer>())
+            .and_then(|viewer| viewer.downcast_ref::<Viewer>())
+            .or_else(|| ctx.data_opt::<Viewer>());
+        if let Some(viewer) = viewer {
+            let share = self
+                .quotas
+                .requests
+                .take(&viewer.tenant, &viewer.principal)
+                .map_err(refusal)?;
+            *self.held.lock().unwrap_or_else(PoisonError::into_inner) =
+                Some((share, request.operation_name.clone()));
         }
+        next.run(ctx, request).await
     }
+
+    async fn parse_query(
+        &self,
+        ctx: &ExtensionContext<'_>,
+        query: &str,
+        variables: &Variables,
+        next: NextParseQuery<'_>,
+    ) -> ServerResult<ExecutableDocument> {
+        let document = next.run(ctx, query, variables).await?;
+        let mut held = self.held.lock().unwrap_or_else(PoisonError::into_inner);
+        let subscription = held.as_ref().is_some_and(|(_, name)| {
+            operation_of(&document, name.as_deref()) == Some(OperationType::Subscription)
+        });
+        if subscription {
+            held.take();
+        }
+        Ok(document)
+    }
+}
+
+/// A refusal as a request-level error: no location, the code and
+/// `retryAfter` in its extensions.
+fn refusal(refused: ApiError) -> ServerError {
+    let err = async_graphql::Error::from(refused);
+    let mut refusal = ServerError::new(err.message, None);
+    refusal.extensions = err.extensions;
+    refusal
 }
 
 #[cfg(test)]
@@ -252,6 +304,58 @@ mod tests {
         }
     }
 
+    /// Waits until `principal` holds `n` requests in flight.
+    async fn until_holding(quotas: &Quotas, tenant: &str, principal: &str, n: usize) {
+        let key = (tenant.to_owned(), principal.to_owned());
+        let holding = async {
+            while quotas.requests.principal.holding(&key) < n {
+                tokio::task::yield_now().await;
+            }
+        };
+        tokio::time::timeout(std::time::Duration::from_secs(10), holding)
+            .await
+            .expect("the requests are let in");
+    }
+
+    /// A subscription that sends nothing until it is dropped; the flag is
+    /// set once it is served.
+    struct Quiet(Arc<std::sync::atomic::AtomicBool>);
+
+    #[async_graphql::Subscription]
+    impl Quiet {
+        async fn quiet(&self) -> impl futures_util::Stream<Item = bool> {
+            self.0.store(true, std::sync::atomic::Ordering::Relaxed);
+            futures_util::stream::pending()
+        }
+    }
+
+    #[tokio::test]
+    async fn a_subscription_gives_its_request_share_back_once_its_document_is_read() {
+        use async_graphql::{Data, EmptyMutation, Request, Schema};
+        use futures_util::{FutureExt, StreamExt};
+        let quotas = Arc::new(Quotas::new(&ApiConfig {
+            max_requests_per_principal: 1,
+            ..ApiConfig::default()
+        }));
+        let gate = Arc::new(tokio::sync::Semaphore::new(1));
+        let served = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let schema = Schema::build(Slow(gate), EmptyMutation, Quiet(served.clone()))
+            .extension(InFlight(quotas.clone()))
+            .finish();
+        let mut session = Data::default();
+        session.insert(viewer("acme", "ada"));
+        let mut quiet = schema.execute_stream_with_session_data(
+            Request::new("subscription { quiet }"),
+            Arc::new(session),
+        );
+        assert!(quiet.next().now_or_never().is_none(), "quiet");
+        assert!(served.load(std::sync::atomic::Ordering::Relaxed), "served");
+        let query = schema
+            .execute(Request::new("{ slow }").data(viewer("acme", "ada")))
+            .await;
+        assert!(query.errors.is_empty(), "{:?}", query.errors);
+    }
+
     fn viewer(tenant: &str, principal: &str) -> Viewer {
         Viewer {
             tenant: tenant.into(),
@@ -265,7 +369,7 @@ mod tests {
 
     #[tokio::test]
     async fn requests_in_flight_are_counted_per_principal_and_tenant_while_they_execute() {
-        use async_graphql::{EmptyMutation, EmptySubscription, Request, Schema};
+        use async_graphql::{EmptyMutation, EmptySubscription, Request, Response, Schema};
         let quotas = Arc::new(Quotas::new(&ApiConfig {
             max_requests_per_principal: 2,
             max_requests_per_tenant: 3,
@@ -279,16 +383,8 @@ mod tests {
             let (schema, viewer) = (schema.clone(), viewer(tenant, principal));
             tokio::spawn(async move { schema.execute(Request::new("{ slow }").data(viewer)).await })
         };
-        let held = |tenant: &str, principal: &str| {
-            quotas
-                .requests
-                .principal
-                .holding(&(tenant.to_owned(), principal.to_owned()))
-        };
         let ada = [run("acme", "ada"), run("acme", "ada")];
-        while held("acme", "ada") < 2 {
-            tokio::task::yield_now().await;
-        }
+        until_holding(&quotas, "acme", "ada", 2).await;
         let refused = |response: Response, whose: &str| {
             let err = &response.errors[0];
             let extensions = err.extensions.as_ref().unwrap();
@@ -299,20 +395,22 @@ mod tests {
             );
             assert!(extensions.get("retryAfter").is_some(), "{err:?}");
             assert!(err.message.contains(whose), "{}", err.message);
+            assert!(err.locations.is_empty(), "{err:?}");
             assert_eq!(response.data, async_graphql::Value::Null);
         };
         refused(run("acme", "ada").await.unwrap(), "one person");
+        // Refused before its document is read: a malformed one alike.
+        let malformed = schema
+            .execute(Request::new("{ slow").data(viewer("acme", "ada")))
+            .await;
+        refused(malformed, "one person");
         // Bob of the same tenant has a share of his own, up to the tenant's.
         let bob = run("acme", "bob");
-        while held("acme", "bob") < 1 {
-            tokio::task::yield_now().await;
-        }
+        until_holding(&quotas, "acme", "bob", 1).await;
         refused(run("acme", "cy").await.unwrap(), "one tenant");
         // Another tenant's request is let in while acme holds its share.
         let eve = run("globex", "eve");
-        while held("globex", "eve") < 1 {
-            tokio::task::yield_now().await;
-        }
+        until_holding(&quotas, "globex", "eve", 1).await;
         // Each query lets the next through as it ends.
         gate.add_permits(1);
         let [first, second] = ada;
@@ -320,7 +418,12 @@ mod tests {
             let response = answered.await.unwrap();
             assert!(response.errors.is_empty(), "{:?}", response.errors);
         }
-        assert_eq!(held("acme", "ada"), 0, "given back when they end");
+        let ada_key = ("acme".to_owned(), "ada".to_owned());
+        assert_eq!(
+            quotas.requests.principal.holding(&ada_key),
+            0,
+            "given back when they end"
+        );
         let again = run("acme", "ada").await.unwrap();
         assert!(again.errors.is_empty(), "{:?}", again.errors);
     }

@@ -366,7 +366,8 @@ async fn hold(
         // A run at fault stops renewing its lease at once. One the database
         // went away under keeps renewing it while it waits for the database,
         // so that when it answers the lease is this process's again before
-        // another process's sweep could count the run as crashed.
+        // the sweeps of processes that saw the outage too (they wait two
+        // heartbeats) could count the run as crashed.
         let _renewing = (!run_at_fault).then_some(heartbeat);
         let within = Duration::from_millis(lease_ms.max(0) as u64);
         let budget = run_at_fault.then_some(rt.crash_retry_budget);

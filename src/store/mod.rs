@@ -723,9 +723,9 @@ fn create_private(file: &std::path::Path) -> std::io::Result<()> {
 }
 
 /// Makes an existing database file, and its WAL and shared-memory files,
-/// its owner's only (0600) if others may read or write them: files an
-/// earlier version created 0644 are tightened when the server next opens
-/// them, with a warning.
+/// its owner's only if others may read or write them (their group's and
+/// others' bits cleared, the owner's kept): files an earlier version
+/// created 0644 are 0600 when the server next opens them, with a warning.
 #[cfg(unix)]
 fn make_private(file: &std::path::Path) {
     use std::os::unix::fs::PermissionsExt;
@@ -733,16 +733,18 @@ fn make_private(file: &std::path::Path) {
         let mut name = file.as_os_str().to_owned();
         name.push(suffix);
         let path = std::path::PathBuf::from(name);
-        let Ok(metadata) = std::fs::metadata(&path) else {
+        // A link is left as it is: its target may be anything.
+        let Ok(metadata) = std::fs::symlink_metadata(&path) else {
             continue;
         };
-        if metadata.permissions().mode() & 0o077 == 0 {
+        let mode = metadata.permissions().mode();
+        if !metadata.is_file() || mode & 0o077 == 0 {
             continue;
         }
-        match std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)) {
+        match std::fs::set_permissions(&path, std::fs::Permissions::from_mode(mode & !0o077)) {
             Ok(()) => tracing::warn!(
                 file = %path.display(),
-                "the database file was open to other users; it is now its owner's only (0600)"
+                "the database file was open to other users; it is now its owner's only"
             ),
             Err(err) => tracing::warn!(
                 file = %path.display(),

@@ -62,12 +62,12 @@ async fn lease_runs_out(server: &Server, run: &str) {
 /// `lease_secs + 3` s, a length of time the test sets, not a condition.
 const PAST_THE_LEASE: Duration = Duration::from_secs(3);
 
-/// Holds the database away from a process until its run's lease has been
-/// out for `PAST_THE_LEASE`.
+/// Keeps the database away from a process (`proxy`, cut) until its run's
+/// lease has been out for `PAST_THE_LEASE`, then brings it back.
 async fn outage_past_the_lease(server: &Server, proxy: &DbProxy, run: &str) {
-    proxy.cut();
     lease_runs_out(server, run).await;
     tokio::time::sleep(PAST_THE_LEASE).await;
+    proxy.restore();
 }
 
 /// The run ended with its one call made once, at attempt 1, and without
@@ -169,12 +169,11 @@ async fn an_outage_longer_than_the_lease(result_during_the_outage: bool) {
         .await;
     let (token, run) = the_call_under_way(&server, &downstream).await;
 
+    proxy.cut();
     if result_during_the_outage {
-        proxy.cut();
         downstream.open_gate();
     }
     outage_past_the_lease(&server, &proxy, &run).await;
-    proxy.restore();
     if !result_during_the_outage {
         // The worker's own sweeps see its lapsed lease and leave it.
         sweeps_pass(&worker, 2).await;
@@ -221,8 +220,8 @@ async fn an_outage_longer_than_the_lease_while_the_model_streams_is_no_recovery(
         .wait_for_run(&token, &run, |r| r["status"] == "RUNNING")
         .await;
 
+    proxy.cut();
     outage_past_the_lease(&server, &proxy, &run).await;
-    proxy.restore();
     let ended = server.wait_until_ended(&token, &run).await;
     assert_eq!(ended["status"], "COMPLETED", "{ended}");
     assert_eq!(server.recoveries(&run).await, 0, "no recovery");

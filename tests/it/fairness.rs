@@ -147,7 +147,8 @@ stream_delay_ms = 5
         let conversation = server.create_conversation(&flood).await;
         runs.push(server.send(&flood, &conversation, "/hold 2").await.1);
     }
-    // Every slot is taken by the flood, and sixteen of its runs wait.
+    // Every slot is taken by the flood, and the rest of its runs (sixteen,
+    // less any that a slot freed meanwhile) wait.
     for run in &runs[..4] {
         server
             .wait_for_run(&flood, run, |r| r["status"] != "QUEUED")

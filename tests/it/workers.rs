@@ -769,20 +769,25 @@ async fn requeues_racing_claims_never_run_two_runs_of_a_conversation_at_once() {
         principal: "ops",
         issuer: None,
     };
-    let mut requeued = 0;
+    let (mut requeued, mut too_late) = (0, 0);
     for run_id in &failed {
         // Refused when the run behind it started first: either is fine,
         // and nothing else is.
         match queue::requeue(&store, operator, *run_id, "try again").await {
             Ok(_) => requeued += 1,
             Err(Error::Conflict(message)) => {
-                assert!(message.contains("a later run"), "{message}")
+                assert!(message.contains("a later run"), "{message}");
+                too_late += 1;
             }
             Err(err) => panic!("requeue failed: {err:?}"),
         }
     }
-    // Some requeues raced the claims of the runs behind them.
-    assert!(requeued > 0, "every run behind its failed one had started");
+    // Requeued runs went back into conversations the engines were claiming
+    // from (the runs behind them claimable all along).
+    assert!(
+        requeued > 0,
+        "no requeue went through ({too_late} came after the run behind)"
+    );
     let deadline = tokio::time::Instant::now() + PATIENCE * 3;
     for c in &conversations {
         while !reads::unended_runs(store.db(), "acme", *c)
