@@ -38,8 +38,10 @@ use async_graphql::extensions::{
 };
 use async_graphql::parser::types::{ExecutableDocument, OperationType, Selection, SelectionSet};
 use async_graphql::{Name, Request, ServerError, ServerResult, ValidationResult};
-use tokio::sync::Semaphore;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
+use super::auth::Viewer;
+use super::counts::{Counts, Held};
 use super::error::{as_bad_request, bad_request};
 use crate::config::ApiConfig;
 
@@ -108,6 +110,10 @@ pub enum Refusal {
     Cycle(String),
     #[error("the server is admitting other long documents; try again")]
     Busy,
+    #[error(
+        "a long document of yours is being admitted already; send the next once it is answered"
+    )]
+    YoursBusy,
     /// The parser's own error, with its location, as async-graphql would
     /// have given it.
     #[error("{}", .0.message)]
@@ -350,6 +356,11 @@ pub struct DocumentAdmission {
     limits: DocumentLimits,
     /// At most this many long documents are parsed or validated at once.
     long_work: Arc<Semaphore>,
+    /// Long documents of one principal waiting for a turn or taking one:
+    /// one, so that principals take turns in the order they ask (the wait
+    /// is first come, first served) and one principal's stream of long
+    /// documents cannot keep another's waiting past the budget.
+    long_per_principal: Arc<Counts<(String, String)>>,
     /// How long a long document waits for its turn before it is refused.
     budget: Duration,
 }
@@ -359,6 +370,7 @@ impl DocumentAdmission {
         Arc::new(DocumentAdmission {
             limits: DocumentLimits::of(api),
             long_work: Arc::new(Semaphore::new(1)),
+            long_per_principal: Counts::new(1),
             budget: Duration::from_millis(api.admission_budget_ms),
         })
     }
@@ -379,8 +391,13 @@ impl DocumentAdmission {
         Some(parse(&request.query, &self.limits).map(|admitted| mark(request, admitted)))
     }
 
-    /// Admits `request`'s document (once: a request already admitted passes).
-    pub async fn admit(&self, request: &mut Request) -> Result<Option<Expanded>, Refusal> {
+    /// Admits `request`'s document (once: a request already admitted
+    /// passes), sent by `caller`.
+    pub async fn admit(
+        &self,
+        request: &mut Request,
+        caller: Option<&Viewer>,
+    ) -> Result<Option<Expanded>, Refusal> {
         if is_admitted(request) {
             return Ok(None);
         }
@@ -390,21 +407,48 @@ impl DocumentAdmission {
         let query = request.query.clone();
         let limits = self.limits;
         let admitted = self
-            .on_the_blocking_pool(move || parse(&query, &limits))
+            .on_the_blocking_pool(caller, move || parse(&query, &limits))
             .await??;
         Ok(Some(mark(request, admitted)))
+    }
+
+    /// The caller's one long document at a time; refused at once when it
+    /// has one waiting or admitted already.
+    fn caller_turn(
+        &self,
+        caller: Option<&Viewer>,
+    ) -> Result<Option<Held<(String, String)>>, Refusal> {
+        caller
+            .map(|viewer| {
+                self.long_per_principal
+                    .take((viewer.tenant.clone(), viewer.principal.clone()))
+                    .ok_or(Refusal::YoursBusy)
+            })
+            .transpose()
+    }
+
+    /// Waits, within the budget, for a turn at long work, the caller's own
+    /// first.
+    async fn long_turn(
+        &self,
+        caller: Option<&Viewer>,
+    ) -> Result<(Option<Held<(String, String)>>, OwnedSemaphorePermit), Refusal> {
+        let mine = self.caller_turn(caller)?;
+        let turn = tokio::time::timeout(self.budget, self.long_work.clone().acquire_owned())
+            .await
+            .map_err(|_| Refusal::Busy)?
+            .map_err(|_| Refusal::Busy)?;
+        Ok((mine, turn))
     }
 
     /// Runs `work` on the blocking pool when its turn comes within the
     /// budget.
     async fn on_the_blocking_pool<T: Send + 'static>(
         &self,
+        caller: Option<&Viewer>,
         work: impl FnOnce() -> T + Send + 'static,
     ) -> Result<T, Refusal> {
-        let turn = tokio::time::timeout(self.budget, self.long_work.clone().acquire_owned())
-            .await
-            .map_err(|_| Refusal::Busy)?
-            .map_err(|_| Refusal::Busy)?;
+        let turn = self.long_turn(caller).await?;
         let done = tokio::task::spawn_blocking(move || {
             let result = work();
             drop(turn);
@@ -468,7 +512,15 @@ impl Extension for RequestAdmission {
         mut request: Request,
         next: NextPrepareRequest<'_>,
     ) -> ServerResult<Request> {
-        self.admission.admit(&mut request).await?;
+        // Over HTTP the viewer comes with the request, over a WebSocket
+        // with its connection.
+        let caller = request
+            .data
+            .get(&TypeId::of::<Viewer>())
+            .and_then(|viewer| viewer.downcast_ref::<Viewer>())
+            .or_else(|| ctx.data_opt::<Viewer>())
+            .cloned();
+        self.admission.admit(&mut request, caller.as_ref()).await?;
         if let Some(expanded) = admitted(&request) {
             // A long document is validated off the runtime too, whatever
             // it expands to.
@@ -495,14 +547,11 @@ impl Extension for RequestAdmission {
         // The validation borrows the schema and the document, so it cannot
         // move to the blocking pool; `block_in_place` hands this worker
         // thread's other tasks to another thread while it runs instead.
-        let turn = tokio::time::timeout(
-            self.admission.budget,
-            self.admission.long_work.clone().acquire_owned(),
-        )
-        .await;
-        let Ok(Ok(_turn)) = turn else {
-            return Err(vec![Refusal::Busy.into()]);
-        };
+        let _turn = self
+            .admission
+            .long_turn(ctx.data_opt::<Viewer>())
+            .await
+            .map_err(|refused| vec![refused.into()])?;
         tokio::task::block_in_place(|| futures_util::FutureExt::now_or_never(next.run(ctx)))
             .unwrap_or_else(|| Err(vec![Refusal::Busy.into()]))
     }
@@ -540,6 +589,32 @@ mod tests {
             max_nodes: 50_000,
             max_aliases: 50,
         }
+    }
+
+    /// One principal has one long document waiting or admitted at a time;
+    /// another principal's goes meanwhile, so that a stream of one
+    /// principal's long documents cannot keep anyone else's past the budget.
+    #[tokio::test]
+    async fn a_principal_has_one_long_document_admitted_at_a_time() {
+        let admission = DocumentAdmission::new(&ApiConfig::default());
+        let (ada, bob) = (Viewer::of("acme", "ada"), Viewer::of("acme", "bob"));
+        let long = format!("{{ __typename }}\n#{}", "x".repeat(INLINE_BYTES));
+        let admit = |viewer: &Viewer| {
+            let mut request = Request::new(long.clone());
+            let admission = admission.clone();
+            let viewer = viewer.clone();
+            async move { admission.admit(&mut request, Some(&viewer)).await }
+        };
+        // As while Ada's first long document waits for its turn, or is
+        // parsed.
+        let first = admission.caller_turn(Some(&ada)).unwrap();
+        assert!(matches!(admit(&ada).await, Err(Refusal::YoursBusy)));
+        assert!(admit(&bob).await.unwrap().is_some(), "Bob's goes meanwhile");
+        drop(first);
+        assert!(
+            admit(&ada).await.unwrap().is_some(),
+            "Ada's next goes after"
+        );
     }
 
     /// `{ ...F0 }` and fragments each spreading the next one twice.

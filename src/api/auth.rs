@@ -52,6 +52,20 @@ impl Viewer {
             .saturating_sub(now_millis());
         Duration::from_millis(u64::try_from(left_ms).unwrap_or(0)).min(MAX_EXPIRY_WAIT)
     }
+
+    /// A plain principal of `tenant` whose token never expires, for the
+    /// API's unit tests.
+    #[cfg(test)]
+    pub fn of(tenant: &str, principal: &str) -> Viewer {
+        Viewer {
+            tenant: tenant.into(),
+            principal: principal.into(),
+            expires_at: i64::MAX,
+            operator: false,
+            delegate: false,
+            issuer: None,
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -128,7 +128,7 @@ pub async fn graphql_get(State(app): State<AppState>, request: Request) -> Respo
         Err(_) => return refusal(StatusCode::BAD_REQUEST, "malformed GraphQL query string"),
     };
     // Admitted before its operation's type is read from it.
-    if let Err(refused) = app.admission.admit(&mut request).await {
+    if let Err(refused) = app.admission.admit(&mut request, Some(&viewer)).await {
         let response = async_graphql::Response::from_errors(vec![refused.into()]);
         return answer(response, &parts.headers);
     }

@@ -4,6 +4,7 @@ pub mod admission;
 pub mod auth;
 pub mod context;
 pub mod cost;
+mod counts;
 pub mod error;
 pub mod events;
 mod fanout;

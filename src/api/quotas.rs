@@ -5,8 +5,6 @@
 //! serves, and another tenant's are still served.
 
 use std::any::TypeId;
-use std::collections::HashMap;
-use std::hash::Hash;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use async_graphql::extensions::{
@@ -18,65 +16,9 @@ use tokio::sync::OwnedSemaphorePermit;
 
 use super::admission::operation_of;
 use super::auth::Viewer;
+use super::counts::{Counts, Held};
 use super::error::ApiError;
 use crate::config::ApiConfig;
-
-/// Counts per key, each up to `limit`.
-struct Counts<K> {
-    held: Mutex<HashMap<K, usize>>,
-    limit: usize,
-}
-
-/// One held unit of a key's count, given back on drop.
-pub struct Held<K: Hash + Eq> {
-    counts: Arc<Counts<K>>,
-    key: K,
-}
-
-impl<K: Hash + Eq> Drop for Held<K> {
-    fn drop(&mut self) {
-        let mut held = self
-            .counts
-            .held
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        if let Some(n) = held.get_mut(&self.key) {
-            *n -= 1;
-            if *n == 0 {
-                held.remove(&self.key);
-            }
-        }
-    }
-}
-
-impl<K: Hash + Eq + Clone> Counts<K> {
-    fn new(limit: usize) -> Arc<Counts<K>> {
-        Arc::new(Counts {
-            held: Mutex::new(HashMap::new()),
-            limit,
-        })
-    }
-
-    /// One more for `key`, unless it holds `limit` already.
-    fn take(self: &Arc<Counts<K>>, key: K) -> Option<Held<K>> {
-        let mut held = self.held.lock().unwrap_or_else(PoisonError::into_inner);
-        let n = held.entry(key.clone()).or_insert(0);
-        if *n >= self.limit {
-            return None;
-        }
-        *n += 1;
-        Some(Held {
-            counts: self.clone(),
-            key,
-        })
-    }
-
-    #[cfg(test)]
-    fn holding(&self, key: &K) -> usize {
-        let held = self.held.lock().unwrap_or_else(PoisonError::into_inner);
-        held.get(key).copied().unwrap_or(0)
-    }
-}
 
 type Principal = (String, String);
 
@@ -113,11 +55,11 @@ impl Shares {
         let principal = self
             .principal
             .take((tenant.to_owned(), principal.to_owned()))
-            .ok_or_else(|| refused("one person", self.principal.limit))?;
+            .ok_or_else(|| refused("one person", self.principal.limit()))?;
         let tenant = self
             .tenant
             .take(tenant.to_owned())
-            .ok_or_else(|| refused("one tenant", self.tenant.limit))?;
+            .ok_or_else(|| refused("one tenant", self.tenant.limit()))?;
         Ok(Share {
             _principal: principal,
             _tenant: tenant,
@@ -263,18 +205,6 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_count_is_given_back_when_its_guard_drops() {
-        let counts = Counts::new(2);
-        let a = counts.take("k").unwrap();
-        let _b = counts.take("k").unwrap();
-        assert!(counts.take("k").is_none());
-        assert!(counts.take("other").is_some());
-        drop(a);
-        assert_eq!(counts.holding(&"k"), 1);
-        assert!(counts.take("k").is_some());
-    }
-
-    #[test]
     fn a_principal_and_a_tenant_each_have_a_share() {
         let shares = Shares::new(2, 3, "things");
         let _a = shares.take("acme", "ada").unwrap();
@@ -357,14 +287,7 @@ mod tests {
     }
 
     fn viewer(tenant: &str, principal: &str) -> Viewer {
-        Viewer {
-            tenant: tenant.into(),
-            principal: principal.into(),
-            expires_at: i64::MAX,
-            operator: false,
-            delegate: false,
-            issuer: None,
-        }
+        Viewer::of(tenant, principal)
     }
 
     #[tokio::test]
