@@ -275,6 +275,9 @@ pub struct ApiConfig {
     pub max_full_output_bytes_per_response: usize,
     /// How often the server pings an idle WebSocket.
     pub ws_keepalive_secs: u64,
+    /// How often an idle Server-Sent Events stream gets a comment, so that
+    /// proxies do not close it.
+    pub sse_keepalive_secs: u64,
     /// How long a new WebSocket may take to send `connection_init`.
     pub ws_init_timeout_secs: u64,
     /// How long an acknowledged WebSocket may run no operation before it
@@ -363,6 +366,7 @@ impl Default for ApiConfig {
             max_full_output_bytes: 1024 * 1024,
             max_full_output_bytes_per_response: 4 * 1024 * 1024,
             ws_keepalive_secs: 15,
+            sse_keepalive_secs: 15,
             ws_init_timeout_secs: 10,
             ws_idle_timeout_secs: 600,
             max_websockets: None,
@@ -1139,6 +1143,7 @@ impl FileConfig {
         at_least("api.max_query_depth", api.max_query_depth, 4)?;
         at_least("api.max_query_complexity", api.max_query_complexity, 10)?;
         between("api.ws_keepalive_secs", api.ws_keepalive_secs, 1, 3_600)?;
+        between("api.sse_keepalive_secs", api.sse_keepalive_secs, 1, 3_600)?;
         between(
             "api.ws_init_timeout_secs",
             api.ws_init_timeout_secs,

@@ -153,7 +153,17 @@ pub enum Frame {
     Last(String),
 }
 
-/// The frames of one served operation: the admission's refusal, or the
+/// How a transport wraps the rendered payloads of one served operation.
+/// The payload is the GraphQL response of one event (`{"data":…}`), or of
+/// a refusal or error (`{"errors":…}`).
+pub trait Framing: Send + 'static {
+    /// One payload as the transport sends it.
+    fn next(&self, payload: &str) -> String;
+    /// What ends the operation.
+    fn complete(&self) -> String;
+}
+
+/// The frames of one WebSocket operation: the admission's refusal, or the
 /// feed's events rendered, then `complete` when the feed ends.
 ///
 /// An operation waits for events most of its life, so what it keeps while it
@@ -168,7 +178,7 @@ pub fn operation(
     id: &str,
     plan: Plan,
 ) -> Pin<Box<dyn Stream<Item = Frame> + Send>> {
-    let mut framing = Some(Framing::new(id, legacy));
+    let mut framing = Some(WsFraming::new(id, legacy));
     let admission = Box::pin(admit(fanout, schema, store, session, plan));
     Box::pin(
         futures_util::stream::once(admission)
@@ -177,14 +187,14 @@ pub fn operation(
 }
 
 /// What the admission gave: the refusal's responses, or the feed to serve.
-enum Admitted {
+pub enum Admitted {
     Refused(Vec<Response>),
     Served(Served),
 }
 
 /// Runs the request through the schema, which checks it and hands the feed
-/// back (`Admission`).
-async fn admit(
+/// back (`Admission`): where every transport's subscription starts.
+pub async fn admit(
     fanout: Arc<Fanout>,
     schema: TetherSchema,
     store: Store,
@@ -213,7 +223,7 @@ async fn admit(
 }
 
 /// A subscription being served: its feed, and the document that renders it.
-struct Served {
+pub struct Served {
     document: Arc<Document>,
     events: BoxStream<'static, crate::store::Result<Arc<Event>>>,
     /// Held for as long as the feed is served (`api.max_subscriptions`).
@@ -222,7 +232,9 @@ struct Served {
     failed: bool,
 }
 
-fn frames(framing: Framing, admitted: Admitted) -> BoxStream<'static, Frame> {
+/// The frames of an admitted operation, in `framing`: a refusal's, or the
+/// feed's events rendered, then what ends it.
+pub fn frames(framing: impl Framing, admitted: Admitted) -> BoxStream<'static, Frame> {
     match admitted {
         Admitted::Refused(refusals) => {
             let mut frames: Vec<Frame> = refusals
@@ -261,22 +273,24 @@ fn frames(framing: Framing, admitted: Admitted) -> BoxStream<'static, Frame> {
     }
 }
 
-/// The protocol's frames around a payload, for one operation id.
-struct Framing {
+/// The WebSocket protocol's frames around a payload, for one operation id.
+struct WsFraming {
     /// The id, as a JSON string.
     id: String,
     next: &'static str,
 }
 
-impl Framing {
-    fn new(id: &str, legacy: bool) -> Framing {
-        Framing {
+impl WsFraming {
+    fn new(id: &str, legacy: bool) -> WsFraming {
+        WsFraming {
             id: serde_json::Value::from(id).to_string(),
             // async-graphql's own names for them, type first as it writes.
             next: if legacy { "data" } else { "next" },
         }
     }
+}
 
+impl Framing for WsFraming {
     fn next(&self, payload: &str) -> String {
         format!(
             r#"{{"type":"{}","id":{},"payload":{payload}}}"#,

@@ -197,7 +197,7 @@ fn retry_after(response: &async_graphql::Response) -> Option<u64> {
     })
 }
 
-fn authorization(headers: &HeaderMap) -> Option<&str> {
+pub(super) fn authorization(headers: &HeaderMap) -> Option<&str> {
     headers
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
@@ -265,7 +265,11 @@ fn closing(mut response: Response) -> Response {
     response
 }
 
-fn json_response(status: StatusCode, content_type: &str, body: &impl serde::Serialize) -> Response {
+pub(super) fn json_response(
+    status: StatusCode,
+    content_type: &str,
+    body: &impl serde::Serialize,
+) -> Response {
     match serde_json::to_vec(body) {
         Ok(bytes) => {
             let mut response = (status, bytes).into_response();
@@ -294,7 +298,7 @@ fn refusal(status: StatusCode, message: &str) -> Response {
 
 /// 401, with why in `extensions.reason` (`expired`, `bad signature`,
 /// `missing claim tenant`…) beside the stable message and code.
-fn unauthenticated(refused: &AuthError) -> Response {
+pub(super) fn unauthenticated(refused: &AuthError) -> Response {
     let mut body = errors_body("unauthenticated", "UNAUTHENTICATED");
     body["errors"][0]["extensions"]["reason"] = refused.reason().into();
     let mut response = json_response(StatusCode::UNAUTHORIZED, "application/json", &body);

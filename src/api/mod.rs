@@ -20,6 +20,7 @@ mod playground;
 pub mod query;
 mod quotas;
 pub mod rates;
+mod sse;
 pub mod subscription;
 pub mod types;
 mod ws;
@@ -209,6 +210,8 @@ fn routes(state: AppState) -> Router {
     let cors = cors(&state.services.config.api);
     let mut router = Router::new()
         .route("/graphql", get(http::graphql_get).post(http::graphql_post))
+        .route("/conversations/{id}/events", get(sse::conversation_events))
+        .route("/runs/{id}/events", get(sse::run_events))
         .route("/healthz", get(http::healthz))
         .route("/readyz", get(operations::readyz));
     if state.services.config.api.playground {

@@ -430,7 +430,7 @@ async fn verification(init: &mut Init) -> Option<Viewer> {
 }
 
 /// The data an operation of this connection runs with.
-fn viewer_data(viewer: &Viewer) -> Data {
+pub(super) fn viewer_data(viewer: &Viewer) -> Data {
     let mut data = Data::default();
     data.insert(viewer.clone());
     data

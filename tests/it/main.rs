@@ -41,6 +41,7 @@ mod scale_out;
 mod schema_drift;
 mod secrets;
 mod shares;
+mod sse;
 mod startup;
 mod subscriptions;
 mod tool_crash;

@@ -1,0 +1,200 @@
+//! Plain Server-Sent Events of one conversation's or one run's events
+//! (`GET /conversations/{id}/events`, `GET /runs/{id}/events`).
+//!
+//! An adapter over the subscription a WebSocket client would make, not a
+//! copy of it: the request is a fixed `conversationEvents` or `runEvents`
+//! document that `api::fanout` admits through the schema (the viewer's
+//! access, the cursor, the subscription shares) and serves from the feed
+//! (`api::feed::follow`) with the shared rendering. Only the framing is
+//! this module's: `event:` the event's `type`, `id:` its cursor (none for a
+//! live `part.delta`, which is not persisted), `data:` the event as the
+//! contract shapes it.
+//!
+//! Without `Last-Event-ID` or `?after=`, a stream starts at the first
+//! persisted event. A run's stream ends after the run's final event. The
+//! stream ends when the token expires; the client reconnects with a new
+//! one and `Last-Event-ID`, as `EventSource` does.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_graphql::{Request, Variables};
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use futures_util::StreamExt;
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use super::AppState;
+use super::auth::Viewer;
+use super::fanout::{self, Admitted, Frame, Framing};
+use super::http::{authorization, json_response, unauthenticated};
+use super::ws::viewer_data;
+use crate::domain::cursor::Cursor;
+
+/// Every field of every event type, as the contract lists them.
+const EVENT: &str = "fragment Event on TransportEvent { __typename cursor type conversationId runId at \
+    ... on RunEvent { status } \
+    ... on RunRetryPending { attempt maxAttempts delayMs nextAttemptAt error { code httpStatus message retryable } } \
+    ... on MessageEvent { messageId role } \
+    ... on PartEvent { messageId partId kind textLength } \
+    ... on PartDelta { messageId partId offset text } \
+    ... on ToolEvent { toolCallId toolName } \
+    ... on InteractionEvent { interactionId } \
+    ... on UsageUpdated { usage { inputTokens outputTokens costUsd } } \
+    ... on ContextCompacted { messagesCompacted } }";
+
+const CONVERSATION: &str = "subscription Events($id: ID!, $after: String) { \
+    events: conversationEvents(conversationId: $id, after: $after) { ...Event } }";
+
+const RUN: &str = "subscription Events($id: ID!, $after: String) { events: runEvents(runId: $id, after: $after) { ...Event } }";
+
+/// `?after=CURSOR`, for a client that cannot send `Last-Event-ID`.
+#[derive(Deserialize)]
+pub struct After {
+    after: Option<String>,
+}
+
+pub async fn conversation_events(
+    State(app): State<AppState>,
+    Path(id): Path<String>,
+    Query(after): Query<After>,
+    headers: HeaderMap,
+) -> Response {
+    events(&app, CONVERSATION, id, after, &headers).await
+}
+
+pub async fn run_events(
+    State(app): State<AppState>,
+    Path(id): Path<String>,
+    Query(after): Query<After>,
+    headers: HeaderMap,
+) -> Response {
+    events(&app, RUN, id, after, &headers).await
+}
+
+async fn events(
+    app: &AppState,
+    subscription: &str,
+    id: String,
+    after: After,
+    headers: &HeaderMap,
+) -> Response {
+    let viewer = match app.auth.verify_header(authorization(headers)).await {
+        Ok(viewer) => viewer,
+        Err(refused) => return unauthenticated(&refused),
+    };
+    // `Last-Event-ID` is what `EventSource` sends when it reconnects.
+    let after = headers
+        .get("last-event-id")
+        .and_then(|value| value.to_str().ok())
+        .map(str::to_owned)
+        .or(after.after)
+        .unwrap_or_else(|| Cursor::START.to_string());
+    let request = Request::new(format!("{subscription} {EVENT}"))
+        .variables(Variables::from_json(json!({ "id": id, "after": after })));
+    let Some(plan) = fanout::plan(request, &app.admission) else {
+        tracing::error!("the plain SSE document is not one the fan-out serves");
+        return refused(
+            &json!({ "errors": [{ "message": "internal error", "extensions": { "code": "INTERNAL" } }] }),
+        );
+    };
+    let admitted = fanout::admit(
+        app.fanout.clone(),
+        app.schema.clone(),
+        app.services.store.clone(),
+        Arc::new(viewer_data(&viewer)),
+        plan,
+    )
+    .await;
+    if let Admitted::Refused(responses) = &admitted {
+        let body = responses
+            .first()
+            .and_then(|response| serde_json::to_value(response).ok())
+            .unwrap_or(Value::Null);
+        return refused(&body);
+    }
+    stream(app, &viewer, admitted)
+}
+
+/// The admitted feed as an SSE response, until the feed ends or the token
+/// expires.
+fn stream(app: &AppState, viewer: &Viewer, admitted: Admitted) -> Response {
+    let expired = tokio::time::sleep(viewer.expires_in());
+    let events = fanout::frames(Unframed, admitted)
+        .filter_map(|frame| std::future::ready(sse_event(frame)))
+        .map(Ok::<_, std::convert::Infallible>)
+        .take_until(expired)
+        .boxed();
+    let every = Duration::from_secs(app.limits.sse_keepalive_secs);
+    let mut response = Sse::new(events)
+        .keep_alive(KeepAlive::new().interval(every))
+        .into_response();
+    // A proxy must pass each event on as it comes.
+    response
+        .headers_mut()
+        .insert("x-accel-buffering", HeaderValue::from_static("no"));
+    response
+}
+
+/// The payloads as the fan-out renders them: the transport's framing is
+/// `sse_event`'s, which reads the event's type and cursor from it.
+struct Unframed;
+
+impl Framing for Unframed {
+    fn next(&self, payload: &str) -> String {
+        payload.to_owned()
+    }
+
+    fn complete(&self) -> String {
+        String::new()
+    }
+}
+
+/// One rendered payload as an SSE event: `event:` its type, `id:` its
+/// cursor unless it is a live delta, `data:` the event. An error (the feed
+/// failed) goes out as `event: error` with the errors, and the stream ends
+/// after it.
+fn sse_event(frame: Frame) -> Option<Event> {
+    let Frame::Next(payload) = frame else {
+        return None;
+    };
+    let mut payload: Value = serde_json::from_str(&payload).ok()?;
+    let event = payload["data"]["events"].take();
+    let Some(kind) = event["type"].as_str() else {
+        return Some(
+            Event::default()
+                .event("error")
+                .data(payload["errors"].to_string()),
+        );
+    };
+    let sse = Event::default().event(kind);
+    let sse = match event["cursor"].as_str() {
+        Some(cursor) if kind != "part.delta" => sse.id(cursor),
+        _ => sse,
+    };
+    Some(sse.data(event.to_string()))
+}
+
+/// A refusal before the stream starts, with the status its code means over
+/// HTTP and the same body a GraphQL request would get.
+fn refused(body: &Value) -> Response {
+    let code = body["errors"][0]["extensions"]["code"].as_str();
+    let status = match code {
+        Some("NOT_FOUND") => StatusCode::NOT_FOUND,
+        Some("BAD_USER_INPUT") => StatusCode::BAD_REQUEST,
+        Some("RATE_LIMITED") => StatusCode::TOO_MANY_REQUESTS,
+        Some("UNAVAILABLE") => StatusCode::SERVICE_UNAVAILABLE,
+        Some("FORBIDDEN") => StatusCode::FORBIDDEN,
+        _ => StatusCode::INTERNAL_SERVER_ERROR,
+    };
+    let mut response = json_response(status, "application/json", body);
+    if let Some(secs) = body["errors"][0]["extensions"]["retryAfter"].as_u64()
+        && let Ok(value) = HeaderValue::from_str(&secs.to_string())
+    {
+        response.headers_mut().insert(header::RETRY_AFTER, value);
+    }
+    response
+}

@@ -1,0 +1,297 @@
+//! Plain Server-Sent Events (`GET /conversations/{id}/events`,
+//! `GET /runs/{id}/events`), read as an SSE client reads them: from the
+//! first persisted event, then live; resumed with `Last-Event-ID` or
+//! `?after=` exactly as `after` resumes; refusals as over GraphQL.
+
+use futures_util::StreamExt;
+use futures_util::stream::BoxStream;
+use serde_json::{Value, json};
+
+use crate::support::{PATIENCE, Server, WORKER_CONFIG};
+
+/// One thing an SSE stream sent.
+#[derive(Debug)]
+enum Item {
+    Event {
+        event: String,
+        id: Option<String>,
+        data: Value,
+    },
+    /// A comment line (a heartbeat).
+    Comment,
+}
+
+/// An open SSE response, parsed block by block.
+struct SseReader {
+    body: BoxStream<'static, reqwest::Result<axum::body::Bytes>>,
+    buffer: String,
+}
+
+impl SseReader {
+    /// The next item, or `None` when the server ended the stream.
+    async fn next(&mut self) -> Option<Item> {
+        loop {
+            if let Some(end) = self.buffer.find("\n\n") {
+                let block: String = self.buffer.drain(..end + 2).collect();
+                return Some(parse(&block));
+            }
+            let chunk = tokio::time::timeout(PATIENCE, self.body.next())
+                .await
+                .expect("the stream sends within the patience")?;
+            self.buffer
+                .push_str(std::str::from_utf8(&chunk.expect("the stream reads")).unwrap());
+        }
+    }
+
+    /// The next event, past heartbeats.
+    async fn event(&mut self) -> Option<(String, Option<String>, Value)> {
+        loop {
+            match self.next().await? {
+                Item::Event { event, id, data } => return Some((event, id, data)),
+                Item::Comment => {}
+            }
+        }
+    }
+}
+
+fn parse(block: &str) -> Item {
+    let (mut event, mut id, mut data) = (None, None, Vec::new());
+    for line in block.lines() {
+        if line.is_empty() || line.starts_with(':') {
+            continue;
+        }
+        let (field, value) = line.split_once(':').unwrap_or((line, ""));
+        let value = value.strip_prefix(' ').unwrap_or(value);
+        match field {
+            "event" => event = Some(value.to_owned()),
+            "id" => id = Some(value.to_owned()),
+            "data" => data.push(value),
+            other => panic!("unexpected field {other:?} in {block:?}"),
+        }
+    }
+    match event {
+        Some(event) => Item::Event {
+            event,
+            id,
+            data: serde_json::from_str(&data.join("\n")).unwrap(),
+        },
+        None => {
+            assert!(data.is_empty(), "data without an event: {block:?}");
+            Item::Comment
+        }
+    }
+}
+
+/// `GET path` with the token and, when given, `Last-Event-ID`.
+async fn get(
+    server: &Server,
+    token: Option<&str>,
+    path: &str,
+    last_event_id: Option<&str>,
+) -> reqwest::Response {
+    let mut request = server.http().get(format!("{}{path}", server.base));
+    if let Some(token) = token {
+        request = request.bearer_auth(token);
+    }
+    if let Some(id) = last_event_id {
+        request = request.header("last-event-id", id);
+    }
+    request.send().await.unwrap()
+}
+
+async fn open(server: &Server, token: &str, path: &str, last_event_id: Option<&str>) -> SseReader {
+    let response = get(server, Some(token), path, last_event_id).await;
+    assert_eq!(response.status(), 200, "{path}");
+    assert_eq!(
+        response.headers()["content-type"],
+        "text/event-stream",
+        "{path}"
+    );
+    SseReader {
+        body: response.bytes_stream().boxed(),
+        buffer: String::new(),
+    }
+}
+
+/// Reads persisted events until `count` of them have come; each is
+/// `(cursor, type)`.
+async fn persisted(reader: &mut SseReader, count: usize) -> Vec<(String, String)> {
+    persisted_and_deltas(reader, count).await.0
+}
+
+/// `persisted`, and how many deltas came between them (each checked).
+async fn persisted_and_deltas(
+    reader: &mut SseReader,
+    count: usize,
+) -> (Vec<(String, String)>, usize) {
+    let (mut seen, mut deltas) = (Vec::new(), 0);
+    while seen.len() < count {
+        let (event, id, data) = reader.event().await.expect("more events");
+        assert_eq!(data["type"], event.as_str(), "{data}");
+        if event == "part.delta" {
+            assert_eq!(id, None, "a delta is not persisted: {data}");
+            assert!(
+                data["partId"].is_string() && data["offset"].is_number(),
+                "{data}"
+            );
+            deltas += 1;
+            continue;
+        }
+        let id = id.unwrap_or_else(|| panic!("a persisted event has its cursor: {data}"));
+        assert_eq!(data["cursor"], id.as_str(), "{data}");
+        assert!(data["conversationId"].is_string(), "{data}");
+        seen.push((id, event));
+    }
+    (seen, deltas)
+}
+
+fn cursors_and_types(events: &[Value]) -> Vec<(String, String)> {
+    events
+        .iter()
+        .map(|e| {
+            (
+                e["cursor"].as_str().unwrap().to_owned(),
+                e["type"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn a_conversation_streams_from_its_first_event_then_live_and_resumes_where_it_was_left() {
+    let server = Server::start_workers(WORKER_CONFIG).await;
+    let token = server.token("acme", "ada");
+    let conversation = server.create_conversation(&token).await;
+    let (_, first) = server.send(&token, &conversation, "hello").await;
+    server.wait_until_ended(&token, &first).await;
+    let before = cursors_and_types(&server.all_events(&token, &conversation).await);
+
+    // From the first persisted event, in the log's order.
+    let path = format!("/conversations/{conversation}/events");
+    let mut reader = open(&server, &token, &path, None).await;
+    assert_eq!(persisted(&mut reader, before.len()).await, before);
+
+    // Then live: a second run's events as they are committed, and its
+    // streamed text as deltas without an id.
+    let (_, second) = server.send(&token, &conversation, "/stream 40").await;
+    server.wait_until_ended(&token, &second).await;
+    let all = cursors_and_types(&server.all_events(&token, &conversation).await);
+    let (live, deltas) = persisted_and_deltas(&mut reader, all.len() - before.len()).await;
+    assert_eq!(live, all[before.len()..], "live, with no gap at the seam");
+    assert!(deltas > 0, "the streamed text came as deltas");
+    drop(reader);
+
+    // A reconnect with `Last-Event-ID` gets every event after it, exactly
+    // once and in order; `?after=` resumes the same.
+    let (seam, _) = &all[before.len() - 1];
+    let mut resumed = open(&server, &token, &path, Some(seam)).await;
+    assert_eq!(
+        persisted(&mut resumed, all.len() - before.len()).await,
+        all[before.len()..]
+    );
+    let mut after = open(&server, &token, &format!("{path}?after={seam}"), None).await;
+    assert_eq!(
+        persisted(&mut after, all.len() - before.len()).await,
+        all[before.len()..]
+    );
+}
+
+#[tokio::test]
+async fn a_runs_stream_replays_the_ended_run_and_ends() {
+    let server = Server::start_workers(WORKER_CONFIG).await;
+    let token = server.token("acme", "ada");
+    let conversation = server.create_conversation(&token).await;
+    let (_, first) = server.send(&token, &conversation, "one").await;
+    server.wait_until_ended(&token, &first).await;
+    let (_, second) = server.send(&token, &conversation, "two").await;
+    server.wait_until_ended(&token, &second).await;
+    let expected: Vec<(String, String)> = server
+        .all_events(&token, &conversation)
+        .await
+        .iter()
+        .filter(|e| e["runId"] == second.as_str())
+        .map(|e| {
+            (
+                e["cursor"].as_str().unwrap().to_owned(),
+                e["type"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    assert_eq!(expected.last().unwrap().1, "run.completed");
+
+    let mut reader = open(&server, &token, &format!("/runs/{second}/events"), None).await;
+    assert_eq!(persisted(&mut reader, expected.len()).await, expected);
+    assert!(
+        reader.event().await.is_none(),
+        "the stream ends with the run"
+    );
+}
+
+#[tokio::test]
+async fn refusals_are_the_same_as_over_graphql() {
+    let server = Server::start().await;
+    let ada = server.token("acme", "ada");
+    let conversation = server.create_conversation(&ada).await;
+    let path = format!("/conversations/{conversation}/events");
+
+    let anonymous = get(&server, None, &path, None).await;
+    assert_eq!(anonymous.status(), 401);
+    let body: Value = anonymous.json().await.unwrap();
+    assert_eq!(body["errors"][0]["extensions"]["code"], "UNAUTHENTICATED");
+
+    // Another tenant's conversation is as absent as one that never was.
+    let eve = server.token("globex", "eve");
+    let theirs = get(&server, Some(&eve), &path, None).await;
+    assert_eq!(theirs.status(), 404);
+    let theirs: Value = theirs.json().await.unwrap();
+    let nowhere = get(
+        &server,
+        Some(&eve),
+        &format!("/conversations/{}/events", uuid::Uuid::now_v7()),
+        None,
+    )
+    .await;
+    assert_eq!(nowhere.status(), 404);
+    assert_eq!(theirs, nowhere.json::<Value>().await.unwrap());
+    assert_eq!(theirs["errors"][0]["extensions"]["code"], "NOT_FOUND");
+    let graphql = server
+        .gql_error(
+            &eve,
+            "query($c: ID!) { events(conversationId: $c) { endCursor } }",
+            json!({ "c": conversation }),
+        )
+        .await;
+    assert_eq!(theirs["errors"][0]["message"], graphql["message"]);
+    let run = get(
+        &server,
+        Some(&ada),
+        &format!("/runs/{}/events", uuid::Uuid::now_v7()),
+        None,
+    )
+    .await;
+    assert_eq!(run.status(), 404);
+
+    let malformed = get(&server, Some(&ada), &path, Some("not a cursor")).await;
+    assert_eq!(malformed.status(), 400);
+    let body: Value = malformed.json().await.unwrap();
+    assert_eq!(body["errors"][0]["extensions"]["code"], "BAD_USER_INPUT");
+    assert_eq!(body["errors"][0]["extensions"]["key"], "after");
+}
+
+#[tokio::test]
+async fn an_idle_stream_gets_heartbeats() {
+    let server = Server::with_api("sse_keepalive_secs = 1").await;
+    let token = server.token("acme", "ada");
+    let conversation = server.create_conversation(&token).await;
+    let mut reader = open(
+        &server,
+        &token,
+        &format!("/conversations/{conversation}/events"),
+        None,
+    )
+    .await;
+    // A new conversation has no event yet: the first thing sent is a
+    // heartbeat comment.
+    assert!(matches!(reader.next().await, Some(Item::Comment)));
+    assert!(matches!(reader.next().await, Some(Item::Comment)));
+}
