@@ -278,6 +278,10 @@ pub struct ApiConfig {
     /// How often an idle Server-Sent Events stream gets a comment, so that
     /// proxies do not close it.
     pub sse_keepalive_secs: u64,
+    /// The longest a token in an SSE URL (`?access_token=`, for
+    /// `EventSource`, which cannot send headers) may still live; 0: no
+    /// token is taken from a URL.
+    pub sse_url_token_max_secs: u64,
     /// How long a new WebSocket may take to send `connection_init`.
     pub ws_init_timeout_secs: u64,
     /// How long an acknowledged WebSocket may run no operation before it
@@ -367,6 +371,7 @@ impl Default for ApiConfig {
             max_full_output_bytes_per_response: 4 * 1024 * 1024,
             ws_keepalive_secs: 15,
             sse_keepalive_secs: 15,
+            sse_url_token_max_secs: 300,
             ws_init_timeout_secs: 10,
             ws_idle_timeout_secs: 600,
             max_websockets: None,
@@ -1144,6 +1149,12 @@ impl FileConfig {
         at_least("api.max_query_complexity", api.max_query_complexity, 10)?;
         between("api.ws_keepalive_secs", api.ws_keepalive_secs, 1, 3_600)?;
         between("api.sse_keepalive_secs", api.sse_keepalive_secs, 1, 3_600)?;
+        between(
+            "api.sse_url_token_max_secs",
+            api.sse_url_token_max_secs,
+            0,
+            3_600,
+        )?;
         between(
             "api.ws_init_timeout_secs",
             api.ws_init_timeout_secs,

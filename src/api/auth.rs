@@ -119,6 +119,10 @@ pub enum Refusal {
     /// non-empty string for the tenant and the principal).
     #[error("invalid claim {0}")]
     InvalidClaim(String),
+    /// A token sent in a URL (where proxies and browsers keep it) that
+    /// lives longer than such a token may.
+    #[error("a token in the URL must expire within {0} s")]
+    LongLivedInUrl(u64),
 }
 
 impl From<Refusal> for AuthError {

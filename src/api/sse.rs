@@ -10,8 +10,10 @@
 //! live `part.delta`, which is not persisted), `data:` the event as the
 //! contract shapes it.
 //!
-//! Without `Last-Event-ID` or `?after=`, a stream starts at the first
-//! persisted event. A run's stream ends after the run's final event. The
+//! The token is the `Authorization` header's, or, for `EventSource`, which
+//! cannot send headers, a short-lived one in `?access_token=`. Without
+//! `Last-Event-ID` or `?after=`, a stream starts at the first persisted
+//! event. A run's stream ends after the run's final event. The
 //! stream ends when the token expires; the client reconnects with a new
 //! one and `Last-Event-ID`, as `EventSource` does.
 
@@ -28,7 +30,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::AppState;
-use super::auth::Viewer;
+use super::auth::{AuthError, Refusal, Viewer};
 use super::fanout::{self, Admitted, Frame, Framing};
 use super::http::{authorization, json_response, unauthenticated};
 use super::ws::viewer_data;
@@ -51,38 +53,41 @@ const CONVERSATION: &str = "subscription Events($id: ID!, $after: String) { \
 
 const RUN: &str = "subscription Events($id: ID!, $after: String) { events: runEvents(runId: $id, after: $after) { ...Event } }";
 
-/// `?after=CURSOR`, for a client that cannot send `Last-Event-ID`.
+/// What the URL may carry, for a client that cannot send headers
+/// (`EventSource`): `?after=CURSOR` for `Last-Event-ID`, and
+/// `?access_token=JWT` for `Authorization`.
 #[derive(Deserialize)]
-pub struct After {
+pub struct Params {
     after: Option<String>,
+    access_token: Option<String>,
 }
 
 pub async fn conversation_events(
     State(app): State<AppState>,
     Path(id): Path<String>,
-    Query(after): Query<After>,
+    Query(params): Query<Params>,
     headers: HeaderMap,
 ) -> Response {
-    events(&app, CONVERSATION, id, after, &headers).await
+    events(&app, CONVERSATION, id, params, &headers).await
 }
 
 pub async fn run_events(
     State(app): State<AppState>,
     Path(id): Path<String>,
-    Query(after): Query<After>,
+    Query(params): Query<Params>,
     headers: HeaderMap,
 ) -> Response {
-    events(&app, RUN, id, after, &headers).await
+    events(&app, RUN, id, params, &headers).await
 }
 
 async fn events(
     app: &AppState,
     subscription: &str,
     id: String,
-    after: After,
+    params: Params,
     headers: &HeaderMap,
 ) -> Response {
-    let viewer = match app.auth.verify_header(authorization(headers)).await {
+    let viewer = match caller(app, headers, params.access_token.as_deref()).await {
         Ok(viewer) => viewer,
         Err(refused) => return unauthenticated(&refused),
     };
@@ -91,7 +96,7 @@ async fn events(
         .get("last-event-id")
         .and_then(|value| value.to_str().ok())
         .map(str::to_owned)
-        .or(after.after)
+        .or(params.after)
         .unwrap_or_else(|| Cursor::START.to_string());
     let request = Request::new(format!("{subscription} {EVENT}"))
         .variables(Variables::from_json(json!({ "id": id, "after": after })));
@@ -117,6 +122,30 @@ async fn events(
         return refused(&body);
     }
     stream(app, &viewer, admitted)
+}
+
+/// Who calls: the `Authorization` header's bearer token, or, without the
+/// header, a token in the URL that expires within
+/// `api.sse_url_token_max_secs`. A URL is kept where a header is not (proxy
+/// logs, the browser's history), so only a short-lived token may travel in
+/// one; the server itself logs no URL.
+async fn caller(
+    app: &AppState,
+    headers: &HeaderMap,
+    url_token: Option<&str>,
+) -> Result<Viewer, AuthError> {
+    let (Some(token), None) = (url_token, authorization(headers)) else {
+        return app.auth.verify_header(authorization(headers)).await;
+    };
+    let most = app.limits.sse_url_token_max_secs;
+    if most == 0 {
+        return Err(AuthError::Missing);
+    }
+    let viewer = app.auth.verify(token).await?;
+    if viewer.expires_in() > Duration::from_secs(most) {
+        return Err(Refusal::LongLivedInUrl(most).into());
+    }
+    Ok(viewer)
 }
 
 /// The admitted feed as an SSE response, until the feed ends or the token

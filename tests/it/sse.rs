@@ -3,6 +3,8 @@
 //! first persisted event, then live; resumed with `Last-Event-ID` or
 //! `?after=` exactly as `after` resumes; refusals as over GraphQL.
 
+use std::time::Duration;
+
 use futures_util::StreamExt;
 use futures_util::stream::BoxStream;
 use serde_json::{Value, json};
@@ -294,4 +296,30 @@ async fn an_idle_stream_gets_heartbeats() {
     // heartbeat comment.
     assert!(matches!(reader.next().await, Some(Item::Comment)));
     assert!(matches!(reader.next().await, Some(Item::Comment)));
+}
+
+#[tokio::test]
+async fn a_url_may_carry_a_short_lived_token_and_only_that() {
+    let server = Server::start().await;
+    let ada = server.token("acme", "ada");
+    let conversation = server.create_conversation(&ada).await;
+    let path = |token: &str| format!("/conversations/{conversation}/events?access_token={token}");
+
+    let short = server.token_for("acme", "ada", Duration::from_secs(60));
+    let served = get(&server, None, &path(&short), None).await;
+    assert_eq!(served.status(), 200);
+    assert_eq!(served.headers()["content-type"], "text/event-stream");
+
+    let long = server.token_for("acme", "ada", Duration::from_secs(3600));
+    let refused = get(&server, None, &path(&long), None).await;
+    assert_eq!(refused.status(), 401);
+    let body: Value = refused.json().await.unwrap();
+    assert_eq!(body["errors"][0]["extensions"]["code"], "UNAUTHENTICATED");
+    assert_eq!(
+        body["errors"][0]["extensions"]["reason"],
+        "a token in the URL must expire within 300 s"
+    );
+    // Another tenant's short token gets what another tenant gets.
+    let eve = server.token_for("globex", "eve", Duration::from_secs(60));
+    assert_eq!(get(&server, None, &path(&eve), None).await.status(), 404);
 }
