@@ -246,6 +246,11 @@ fn cors(api: &ApiConfig) -> Option<CorsLayer> {
         CorsLayer::new()
             .allow_origin(AllowOrigin::list(origins))
             .allow_methods([Method::GET, Method::POST, Method::OPTIONS])
-            .allow_headers([header::AUTHORIZATION, header::CONTENT_TYPE]),
+            // `Last-Event-ID`: a fetch-based SSE reader resuming a stream.
+            .allow_headers([
+                header::AUTHORIZATION,
+                header::CONTENT_TYPE,
+                header::HeaderName::from_static("last-event-id"),
+            ]),
     )
 }

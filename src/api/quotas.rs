@@ -87,7 +87,7 @@ impl Quotas {
             sockets: Shares::new(
                 api.max_sockets_per_principal,
                 api.max_sockets_per_tenant,
-                "WebSockets",
+                "streams (WebSockets and event streams)",
             ),
             subscriptions: Shares::new(
                 api.max_subscriptions_per_principal,
@@ -102,7 +102,7 @@ impl Quotas {
         }
     }
 
-    /// An acknowledged WebSocket of `principal`'s.
+    /// An acknowledged WebSocket, or an SSE stream, of `principal`'s.
     pub fn socket(&self, tenant: &str, principal: &str) -> Result<Share, ApiError> {
         self.sockets.take(tenant, principal)
     }

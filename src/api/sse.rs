@@ -28,13 +28,18 @@ use axum::response::{IntoResponse, Response};
 use futures_util::StreamExt;
 use serde::Deserialize;
 use serde_json::{Value, json};
+use tokio::sync::OwnedSemaphorePermit;
 
 use super::AppState;
 use super::auth::{AuthError, Refusal, Viewer};
 use super::fanout::{self, Admitted, Frame, Framing};
 use super::http::{authorization, json_response, unauthenticated};
+use super::quotas::Share;
+use super::types::parse_id;
 use super::ws::viewer_data;
 use crate::domain::cursor::Cursor;
+use crate::domain::run::RunStatus;
+use crate::store::reads;
 
 /// Every field of every event type, as the contract lists them.
 const EVENT: &str = "fragment Event on TransportEvent { __typename cursor type conversationId runId at \
@@ -91,20 +96,40 @@ async fn events(
         Ok(viewer) => viewer,
         Err(refused) => return unauthenticated(&refused),
     };
-    // `Last-Event-ID` is what `EventSource` sends when it reconnects.
+    // A stream holds its connection: it takes a slot of those kept from
+    // HTTP requests and the probes, and its principal's and tenant's share
+    // of them, as a WebSocket does.
+    let Ok(slot) = app.ws.sockets.clone().try_acquire_owned() else {
+        return refused(&errors(
+            "the server is serving as many streams as it may; try again later",
+            "UNAVAILABLE",
+        ));
+    };
+    let share = match app
+        .services
+        .quotas
+        .socket(&viewer.tenant, &viewer.principal)
+    {
+        Ok(share) => share,
+        Err(limited) => {
+            return refused(&json!({ "errors": [async_graphql::Error::from(limited)] }));
+        }
+    };
+    // `Last-Event-ID` is what `EventSource` sends when it reconnects; an
+    // empty one, or an empty `?after=`, is none.
     let after = headers
         .get("last-event-id")
         .and_then(|value| value.to_str().ok())
         .map(str::to_owned)
         .or(params.after)
+        .filter(|after| !after.is_empty())
         .unwrap_or_else(|| Cursor::START.to_string());
     let request = Request::new(format!("{subscription} {EVENT}"))
         .variables(Variables::from_json(json!({ "id": id, "after": after })));
     let Some(plan) = fanout::plan(request, &app.admission) else {
-        tracing::error!("the plain SSE document is not one the fan-out serves");
-        return refused(
-            &json!({ "errors": [{ "message": "internal error", "extensions": { "code": "INTERNAL" } }] }),
-        );
+        // Only limits set below what the fixed document needs refuse it.
+        tracing::error!("the plain SSE document is not admitted under the configured limits");
+        return refused(&errors("internal error", "INTERNAL"));
     };
     let admitted = fanout::admit(
         app.fanout.clone(),
@@ -115,13 +140,50 @@ async fn events(
     )
     .await;
     if let Admitted::Refused(responses) = &admitted {
-        let body = responses
+        let mut body = responses
             .first()
             .and_then(|response| serde_json::to_value(response).ok())
             .unwrap_or(Value::Null);
+        // Where in a document the client never sent is no help to it.
+        for err in body["errors"].as_array_mut().into_iter().flatten() {
+            if let Some(err) = err.as_object_mut() {
+                err.remove("locations");
+                err.remove("path");
+            }
+        }
         return refused(&body);
     }
-    stream(app, &viewer, admitted)
+    let mut frames = fanout::frames(Unframed, admitted).boxed();
+    // A run that has ended has a stream that ends: one with nothing after
+    // the cursor answers 204, which stops `EventSource` reconnecting to it
+    // for ever with its last event's id.
+    if subscription == RUN && run_has_ended(app, &viewer, &id).await {
+        match frames.next().await {
+            None | Some(Frame::Last(_)) => return StatusCode::NO_CONTENT.into_response(),
+            Some(first) => {
+                frames = futures_util::stream::once(async { first })
+                    .chain(frames)
+                    .boxed()
+            }
+        }
+    }
+    stream(app, &viewer, frames, (slot, share))
+}
+
+/// Whether the run (already found the caller's) has ended.
+async fn run_has_ended(app: &AppState, viewer: &Viewer, id: &str) -> bool {
+    let Some(run_id) = parse_id(&async_graphql::ID::from(id)) else {
+        return false;
+    };
+    matches!(
+        reads::run(app.services.store.api_reads(), &viewer.tenant, run_id).await,
+        Ok(Some(run)) if run.status.parse::<RunStatus>().is_ok_and(RunStatus::is_ended)
+    )
+}
+
+/// A JSON error body with one error.
+fn errors(message: &str, code: &str) -> Value {
+    json!({ "errors": [{ "message": message, "extensions": { "code": code } }] })
 }
 
 /// Who calls: the `Authorization` header's bearer token, or, without the
@@ -148,13 +210,22 @@ async fn caller(
     Ok(viewer)
 }
 
-/// The admitted feed as an SSE response, until the feed ends or the token
-/// expires.
-fn stream(app: &AppState, viewer: &Viewer, admitted: Admitted) -> Response {
+/// The admitted feed's frames as an SSE response, until the feed ends or
+/// the token expires; `held` (the stream's slot and share) is given back
+/// when it ends or the client goes.
+fn stream(
+    app: &AppState,
+    viewer: &Viewer,
+    frames: futures_util::stream::BoxStream<'static, Frame>,
+    held: (OwnedSemaphorePermit, Share),
+) -> Response {
     let expired = tokio::time::sleep(viewer.expires_in());
-    let events = fanout::frames(Unframed, admitted)
+    let events = frames
         .filter_map(|frame| std::future::ready(sse_event(frame)))
-        .map(Ok::<_, std::convert::Infallible>)
+        .map(move |event| {
+            let _held = &held;
+            Ok::<_, std::convert::Infallible>(event)
+        })
         .take_until(expired)
         .boxed();
     let every = Duration::from_secs(app.limits.sse_keepalive_secs);
@@ -184,8 +255,9 @@ impl Framing for Unframed {
 
 /// One rendered payload as an SSE event: `event:` its type, `id:` its
 /// cursor unless it is a live delta, `data:` the event. An error (the feed
-/// failed) goes out as `event: error` with the errors, and the stream ends
-/// after it.
+/// failed) goes out as `event: errors` with the GraphQL errors (not
+/// `error`, which `EventSource` fires for its own connection failures),
+/// and the stream ends after it.
 fn sse_event(frame: Frame) -> Option<Event> {
     let Frame::Next(payload) = frame else {
         return None;
@@ -195,7 +267,7 @@ fn sse_event(frame: Frame) -> Option<Event> {
     let Some(kind) = event["type"].as_str() else {
         return Some(
             Event::default()
-                .event("error")
+                .event("errors")
                 .data(payload["errors"].to_string()),
         );
     };
@@ -217,6 +289,8 @@ fn refused(body: &Value) -> Response {
         Some("RATE_LIMITED") => StatusCode::TOO_MANY_REQUESTS,
         Some("UNAVAILABLE") => StatusCode::SERVICE_UNAVAILABLE,
         Some("FORBIDDEN") => StatusCode::FORBIDDEN,
+        Some("CONFLICT") => StatusCode::CONFLICT,
+        Some("TIMEOUT") => StatusCode::GATEWAY_TIMEOUT,
         _ => StatusCode::INTERNAL_SERVER_ERROR,
     };
     let mut response = json_response(status, "application/json", body);

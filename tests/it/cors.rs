@@ -78,7 +78,7 @@ async fn a_preflight_from_a_configured_origin_is_allowed() {
         assert!(methods.contains(&method.to_owned()), "{methods:?}");
     }
     let headers = items(&response, "access-control-allow-headers");
-    for name in ["authorization", "content-type"] {
+    for name in ["authorization", "content-type", "last-event-id"] {
         assert!(headers.contains(&name.to_owned()), "{headers:?}");
     }
     // Bearer tokens, not cookies: no credentials mode.

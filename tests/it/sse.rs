@@ -221,11 +221,31 @@ async fn a_runs_stream_replays_the_ended_run_and_ends() {
         .collect();
     assert_eq!(expected.last().unwrap().1, "run.completed");
 
-    let mut reader = open(&server, &token, &format!("/runs/{second}/events"), None).await;
+    let path = format!("/runs/{second}/events");
+    let mut reader = open(&server, &token, &path, None).await;
     assert_eq!(persisted(&mut reader, expected.len()).await, expected);
     assert!(
         reader.event().await.is_none(),
         "the stream ends with the run"
+    );
+
+    // `EventSource` reconnects with the final event's id: nothing follows
+    // it, and 204 tells it to stop.
+    let (last, _) = expected.last().unwrap();
+    let after_the_end = get(&server, Some(&token), &path, Some(last)).await;
+    assert_eq!(after_the_end.status(), 204);
+    // `Last-Event-ID` wins over `?after=`.
+    let (third, _) = &expected[2];
+    let mut resumed = open(
+        &server,
+        &token,
+        &format!("{path}?after=0000000000000000"),
+        Some(third),
+    )
+    .await;
+    assert_eq!(
+        persisted(&mut resumed, expected.len() - 3).await,
+        expected[3..]
     );
 }
 
@@ -256,6 +276,7 @@ async fn refusals_are_the_same_as_over_graphql() {
     assert_eq!(nowhere.status(), 404);
     assert_eq!(theirs, nowhere.json::<Value>().await.unwrap());
     assert_eq!(theirs["errors"][0]["extensions"]["code"], "NOT_FOUND");
+    assert!(theirs["errors"][0].get("locations").is_none(), "{theirs}");
     let graphql = server
         .gql_error(
             &eve,
@@ -264,14 +285,27 @@ async fn refusals_are_the_same_as_over_graphql() {
         )
         .await;
     assert_eq!(theirs["errors"][0]["message"], graphql["message"]);
-    let run = get(
+    let (_, adas_run) = server.send(&ada, &conversation, "hello").await;
+    let theirs = get(
         &server,
-        Some(&ada),
+        Some(&eve),
+        &format!("/runs/{adas_run}/events"),
+        None,
+    )
+    .await;
+    assert_eq!(theirs.status(), 404);
+    let nowhere = get(
+        &server,
+        Some(&eve),
         &format!("/runs/{}/events", uuid::Uuid::now_v7()),
         None,
     )
     .await;
-    assert_eq!(run.status(), 404);
+    assert_eq!(nowhere.status(), 404);
+    assert_eq!(
+        theirs.json::<Value>().await.unwrap(),
+        nowhere.json::<Value>().await.unwrap()
+    );
 
     let malformed = get(&server, Some(&ada), &path, Some("not a cursor")).await;
     assert_eq!(malformed.status(), 400);
@@ -322,4 +356,47 @@ async fn a_url_may_carry_a_short_lived_token_and_only_that() {
     // Another tenant's short token gets what another tenant gets.
     let eve = server.token_for("globex", "eve", Duration::from_secs(60));
     assert_eq!(get(&server, None, &path(&eve), None).await.status(), 404);
+}
+
+#[tokio::test]
+async fn a_stream_holds_a_share_of_the_principals_streams_until_the_client_goes() {
+    let server = Server::with_api(
+        "max_sockets_per_principal = 1\nsse_keepalive_secs = 1\nsse_url_token_max_secs = 0",
+    )
+    .await;
+    let token = server.token("acme", "ada");
+    let conversation = server.create_conversation(&token).await;
+    let path = format!("/conversations/{conversation}/events");
+    let first = open(&server, &token, &path, None).await;
+
+    let second = get(&server, Some(&token), &path, None).await;
+    assert_eq!(second.status(), 429);
+    assert!(second.headers().contains_key("retry-after"));
+    let body: Value = second.json().await.unwrap();
+    assert_eq!(body["errors"][0]["extensions"]["code"], "RATE_LIMITED");
+    // Another principal has a share of their own.
+    let bob = server.token("acme", "bob");
+    let _bobs = open(&server, &bob, &path, None).await;
+
+    // The client goes: its share comes back once the server notices (at
+    // the next heartbeat at the latest).
+    drop(first);
+    let deadline = tokio::time::Instant::now() + PATIENCE;
+    loop {
+        let again = get(&server, Some(&token), &path, None).await;
+        if again.status() == 200 {
+            break;
+        }
+        assert_eq!(again.status(), 429);
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the share never came back"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // With `sse_url_token_max_secs = 0` no token is taken from a URL.
+    let short = server.token_for("acme", "ada", Duration::from_secs(60));
+    let url = get(&server, None, &format!("{path}?access_token={short}"), None).await;
+    assert_eq!(url.status(), 401);
 }
