@@ -210,15 +210,7 @@ impl Client {
     }
 
     async fn gql(&self, query: &str, variables: Value) -> Value {
-        let answer: Value = self
-            .post(query, variables)
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        answer
+        answer(self.post(query, variables)).await
     }
 
     /// The data of a request that must succeed.
@@ -227,6 +219,11 @@ impl Client {
         assert!(answer.get("errors").is_none(), "{answer}");
         answer["data"].clone()
     }
+}
+
+/// The JSON answer to a request.
+async fn answer(request: reqwest::RequestBuilder) -> Value {
+    request.send().await.unwrap().json().await.unwrap()
 }
 
 /// A run of `/hold SECONDS`, once it is running under its lease.
@@ -281,15 +278,7 @@ async fn measure(client: &Client, loads: &[Arc<Load>], phase: Duration) -> Repor
         let stop = stop.clone();
         senders.push(tokio::spawn(async move {
             while !stop.load(Ordering::Relaxed) {
-                let answer: Value = request
-                    .try_clone()
-                    .unwrap()
-                    .send()
-                    .await
-                    .unwrap()
-                    .json()
-                    .await
-                    .unwrap();
+                let answer = answer(request.try_clone().unwrap()).await;
                 let counter = match answer.get("errors") {
                     None => &load.tally.admitted,
                     Some(_) => &load.tally.refused,

@@ -512,14 +512,7 @@ impl Extension for RequestAdmission {
         mut request: Request,
         next: NextPrepareRequest<'_>,
     ) -> ServerResult<Request> {
-        // Over HTTP the viewer comes with the request, over a WebSocket
-        // with its connection.
-        let caller = request
-            .data
-            .get(&TypeId::of::<Viewer>())
-            .and_then(|viewer| viewer.downcast_ref::<Viewer>())
-            .or_else(|| ctx.data_opt::<Viewer>())
-            .cloned();
+        let caller = Viewer::of_request(&request, ctx).cloned();
         self.admission.admit(&mut request, caller.as_ref()).await?;
         if let Some(expanded) = admitted(&request) {
             // A long document is validated off the runtime too, whatever

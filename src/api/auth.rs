@@ -53,6 +53,19 @@ impl Viewer {
         Duration::from_millis(u64::try_from(left_ms).unwrap_or(0)).min(MAX_EXPIRY_WAIT)
     }
 
+    /// Who sends a request the schema is preparing: over HTTP the viewer
+    /// comes with the request, over a WebSocket with its connection.
+    pub fn of_request<'a>(
+        request: &'a async_graphql::Request,
+        ctx: &'a async_graphql::extensions::ExtensionContext<'a>,
+    ) -> Option<&'a Viewer> {
+        request
+            .data
+            .get(&std::any::TypeId::of::<Viewer>())
+            .and_then(|viewer| viewer.downcast_ref::<Viewer>())
+            .or_else(|| ctx.data_opt::<Viewer>())
+    }
+
     /// A plain principal of `tenant` whose token never expires, for the
     /// API's unit tests.
     #[cfg(test)]

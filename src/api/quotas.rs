@@ -4,7 +4,6 @@
 //! principal cannot take every socket, subscription or request the process
 //! serves, and another tenant's are still served.
 
-use std::any::TypeId;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use async_graphql::extensions::{
@@ -153,14 +152,7 @@ impl Extension for RequestInFlight {
         request: Request,
         next: NextPrepareRequest<'_>,
     ) -> ServerResult<Request> {
-        // Over HTTP the viewer comes with the request, over a WebSocket
-        // with its connection.
-        let viewer = request
-            .data
-            .get(&TypeId::of::<Viewer>())
-            .and_then(|viewer| viewer.downcast_ref::<Viewer>())
-            .or_else(|| ctx.data_opt::<Viewer>());
-        if let Some(viewer) = viewer {
+        if let Some(viewer) = Viewer::of_request(&request, ctx) {
             let share = self
                 .quotas
                 .requests

@@ -53,10 +53,25 @@ const EVENT: &str = "fragment Event on TransportEvent { __typename cursor type c
     ... on UsageUpdated { usage { inputTokens outputTokens costUsd } } \
     ... on ContextCompacted { messagesCompacted } }";
 
-const CONVERSATION: &str = "subscription Events($id: ID!, $after: String) { \
-    events: conversationEvents(conversationId: $id, after: $after) { ...Event } }";
+/// Whose events a stream follows.
+#[derive(Clone, Copy, PartialEq)]
+enum Feed {
+    Conversation,
+    Run,
+}
 
-const RUN: &str = "subscription Events($id: ID!, $after: String) { events: runEvents(runId: $id, after: $after) { ...Event } }";
+impl Feed {
+    /// The subscription a WebSocket client would send for it.
+    fn document(self) -> String {
+        let field = match self {
+            Feed::Conversation => "conversationEvents(conversationId: $id, after: $after)",
+            Feed::Run => "runEvents(runId: $id, after: $after)",
+        };
+        format!(
+            "subscription Events($id: ID!, $after: String) {{ events: {field} {{ ...Event }} }} {EVENT}"
+        )
+    }
+}
 
 /// What the URL may carry, for a client that cannot send headers
 /// (`EventSource`): `?after=CURSOR` for `Last-Event-ID`, and
@@ -73,7 +88,7 @@ pub async fn conversation_events(
     Query(params): Query<Params>,
     headers: HeaderMap,
 ) -> Response {
-    events(&app, CONVERSATION, id, params, &headers).await
+    events(&app, Feed::Conversation, id, params, &headers).await
 }
 
 pub async fn run_events(
@@ -82,12 +97,12 @@ pub async fn run_events(
     Query(params): Query<Params>,
     headers: HeaderMap,
 ) -> Response {
-    events(&app, RUN, id, params, &headers).await
+    events(&app, Feed::Run, id, params, &headers).await
 }
 
 async fn events(
     app: &AppState,
-    subscription: &str,
+    feed: Feed,
     id: String,
     params: Params,
     headers: &HeaderMap,
@@ -124,7 +139,7 @@ async fn events(
         .or(params.after)
         .filter(|after| !after.is_empty())
         .unwrap_or_else(|| Cursor::START.to_string());
-    let request = Request::new(format!("{subscription} {EVENT}"))
+    let request = Request::new(feed.document())
         .variables(Variables::from_json(json!({ "id": id, "after": after })));
     let Some(plan) = fanout::plan(request, &app.admission) else {
         // Only limits set below what the fixed document needs refuse it.
@@ -157,7 +172,7 @@ async fn events(
     // A run that has ended has a stream that ends: one with nothing after
     // the cursor answers 204, which stops `EventSource` reconnecting to it
     // for ever with its last event's id.
-    if subscription == RUN && run_has_ended(app, &viewer, &id).await {
+    if feed == Feed::Run && run_has_ended(app, &viewer, &id).await {
         match frames.next().await {
             None | Some(Frame::Last(_)) => return StatusCode::NO_CONTENT.into_response(),
             Some(first) => {

@@ -366,13 +366,26 @@ mod tests {
     use crate::store::test_support::{event_seq, kinds_after, requested_call, temp_store};
     use crate::store::tool_calls::{self, Outcome};
 
+    /// A call of the step started (`EXECUTING`), and the message the step
+    /// writes into.
+    async fn started_call(store: &Store) -> (Lease, tool_call::Model, Uuid) {
+        let (lease, call) = requested_call(store, "effect").await;
+        tool_calls::start(store, &lease, call.id, false)
+            .await
+            .unwrap();
+        let message_id = part::Entity::find_by_id(call.part_id)
+            .one(store.db())
+            .await
+            .unwrap()
+            .unwrap()
+            .message_id;
+        (lease, call, message_id)
+    }
+
     #[tokio::test]
     async fn a_held_result_is_recorded_with_the_step_end_in_one_commit() {
         let (store, dir) = temp_store().await;
-        let (lease, call) = requested_call(&store, "effect").await;
-        tool_calls::start(&store, &lease, call.id, false)
-            .await
-            .unwrap();
+        let (lease, call, message_id) = started_call(&store).await;
         let before = event_seq(&store, lease.conversation_id).await;
         let writes = store.write_transactions();
         let finished = Finished {
@@ -384,12 +397,6 @@ mod tests {
             },
             max_inline_bytes: 16384,
         };
-        let message_id = part::Entity::find_by_id(call.part_id)
-            .one(store.db())
-            .await
-            .unwrap()
-            .unwrap()
-            .message_id;
         let (_, cursor) = end_step(
             &store,
             &lease,
@@ -436,17 +443,8 @@ mod tests {
     #[tokio::test]
     async fn a_step_with_a_call_without_a_result_does_not_end() {
         let (store, dir) = temp_store().await;
-        let (lease, call) = requested_call(&store, "effect").await;
-        tool_calls::start(&store, &lease, call.id, false)
-            .await
-            .unwrap();
+        let (lease, call, message_id) = started_call(&store).await;
         let before = event_seq(&store, lease.conversation_id).await;
-        let message_id = part::Entity::find_by_id(call.part_id)
-            .one(store.db())
-            .await
-            .unwrap()
-            .unwrap()
-            .message_id;
         let refused = end_step(&store, &lease, message_id, Usage::default(), None).await;
         let Err(Error::Corrupt(message)) = refused else {
             panic!("a typed internal error, not {refused:?}");
