@@ -18,6 +18,11 @@
 //!   are subscribed and have each received one message's 2 events, then 2 s
 //!   of quiet, minus the RSS before the first was opened, divided by N.
 //!   Sockets are opened 200 at a time.
+//! - **idle KiB per SSE stream at N**: the same, on Tether only, with N
+//!   plain SSE streams (`GET /conversations/{id}/events?after=<the latest
+//!   cursor>`, raw HTTP/1.1, one connection each) instead of WebSockets.
+//!   Its reference column is Tether's own WebSocket figure of the same
+//!   run, so the ratio is SSE / WebSocket.
 //! - **fan-out from commit**: N subscribers of one conversation (live, no
 //!   `after`); `sendMessage` at a fixed rate of half the target events/s.
 //!   Tether serves `--role api` (no workers), so each `sendMessage` commits
@@ -74,6 +79,7 @@ use std::time::{Duration, Instant};
 use futures_util::stream::{self, SplitSink};
 use futures_util::{SinkExt, StreamExt};
 use serde_json::{Value, json};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
 use tokio_tungstenite::tungstenite::Message;
@@ -600,6 +606,109 @@ async fn idle(kind: Kind, n: usize) -> Idle {
     }
 }
 
+/// `idle`, with plain SSE streams (`GET /conversations/{id}/events`)
+/// instead of WebSocket subscriptions, on Tether: the same conversation,
+/// cursor, message and quiet. Each stream is a raw HTTP/1.1 request on its
+/// own connection with a small read buffer, as `connect` keeps its sockets'.
+async fn idle_sse(n: usize) -> Idle {
+    let server = start(Kind::Tether, false, 0);
+    let client = Client::new(&server.addr);
+    let conversation = client.conversation().await;
+    client.send(&conversation, "warm-up").await;
+    let cursor = client
+        .gql(
+            "query($c: ID!) { events(conversationId: $c) { endCursor } }",
+            json!({ "c": conversation }),
+        )
+        .await["events"]["endCursor"]
+        .as_str()
+        .expect("the warm-up's events")
+        .to_owned();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (rss0, cpu0, own0) = (server.rss_kib(), server.cpu_secs(), own_cpu());
+
+    let counters = Arc::new(Counters::default());
+    let (stop, stopped) = watch::channel(false);
+    let started = Instant::now();
+    let request = format!(
+        "GET /conversations/{conversation}/events?after={cursor} HTTP/1.1\r\nHost: {}\r\n\
+         Authorization: Bearer {}\r\nAccept: text/event-stream\r\n\r\n",
+        client.addr, client.token
+    );
+    let streams: Vec<TcpStream> = stream::iter(0..n)
+        .map(|_| async {
+            let mut stream = TcpStream::connect(&client.addr)
+                .await
+                .expect("the server accepts");
+            stream
+                .write_all(request.as_bytes())
+                .await
+                .expect("the request goes out");
+            stream
+        })
+        .buffer_unordered(OPEN_CONCURRENCY)
+        .collect()
+        .await;
+    let readers: Vec<_> = streams
+        .into_iter()
+        .map(|stream| tokio::spawn(read_sse(stream, counters.clone(), stopped.clone())))
+        .collect();
+    wait_until("every stream's response", Duration::from_secs(120), || {
+        counters.completed.load(Ordering::Relaxed) >= n
+    })
+    .await;
+    let open_secs = started.elapsed().as_secs_f64();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    client.send(&conversation, "are you there?").await;
+    wait_until("every stream's 2 events", Duration::from_secs(120), || {
+        counters.events.load(Ordering::Relaxed) >= 2 * n
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let (rss1, cpu1, own1) = (server.rss_kib(), server.cpu_secs(), own_cpu());
+    let _ = stop.send(true);
+    for reader in readers {
+        let _ = reader.await;
+    }
+    Idle {
+        kib_per_sub: (rss1 - rss0) / n as f64,
+        open_secs,
+        cpu: cpu1 - cpu0,
+        client_cpu: own1 - own0,
+    }
+}
+
+/// Reads one SSE response until `stop`: counts the response (in
+/// `completed`, once its first bytes come) and each persisted event (a line
+/// starting `id:`) in `events`.
+async fn read_sse(mut stream: TcpStream, counters: Arc<Counters>, mut stop: watch::Receiver<bool>) {
+    const ID_LINE: &[u8] = b"\nid:";
+    let mut buffer = [0u8; 2048];
+    // The end of the previous read, for a line split between two reads.
+    let mut carry: Vec<u8> = Vec::new();
+    let mut answered = false;
+    loop {
+        tokio::select! {
+            _ = stop.changed() => break,
+            read = stream.read(&mut buffer) => {
+                let Ok(read) = read else { break };
+                if read == 0 {
+                    break;
+                }
+                if !answered {
+                    answered = true;
+                    counters.completed.fetch_add(1, Ordering::Relaxed);
+                }
+                carry.extend_from_slice(&buffer[..read]);
+                let ids = carry.windows(ID_LINE.len()).filter(|w| *w == ID_LINE).count();
+                counters.events.fetch_add(ids, Ordering::Relaxed);
+                let keep = carry.len().min(ID_LINE.len() - 1);
+                carry.drain(..carry.len() - keep);
+            }
+        }
+    }
+}
+
 struct Fanout {
     p50: f64,
     p99: f64,
@@ -983,6 +1092,28 @@ async fn main() {
             format!("idle: bench client CPU, {n}"),
             results[0].client_cpu,
             r.map(|r| r.client_cpu),
+            "s",
+        ));
+        eprintln!("idle: {n} plain SSE streams on tether");
+        let sse = idle_sse(n).await;
+        let mut sse_row = row(
+            format!("idle: resident per SSE stream, {n} streams"),
+            sse.kib_per_sub,
+            Some(results[0].kib_per_sub),
+            "KiB",
+        );
+        sse_row.note = "reference column: Tether's own WebSocket subscription".into();
+        rows.push(sse_row);
+        rows.push(row(
+            format!("idle: open {n} SSE streams, 200 at a time"),
+            sse.open_secs,
+            Some(results[0].open_secs),
+            "s",
+        ));
+        rows.push(row(
+            format!("idle: server CPU, {n} SSE (open, 2 events)"),
+            sse.cpu,
+            Some(results[0].cpu),
             "s",
         ));
     }

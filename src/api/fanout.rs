@@ -20,12 +20,11 @@
 //!   others wait for and reuse its bytes.
 
 use std::collections::{HashMap, VecDeque};
-use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 
 use async_graphql::parser::types::{ExecutableDocument, OperationType, Selection};
 use async_graphql::{Data, Request, Response, Value, Variables};
-use futures_util::stream::{BoxStream, Stream, StreamExt};
+use futures_util::stream::{BoxStream, StreamExt};
 use tokio::sync::{OnceCell, mpsc};
 use uuid::Uuid;
 
@@ -75,13 +74,29 @@ pub struct Plan {
     variables: Variables,
 }
 
-/// Whether a subscribe frame's payload is a subscription served here: a
-/// subscription operation whose only selection is one of `FIELDS`. Anything
-/// else (a query, a mutation, a document admission refuses or does not
-/// admit inline, a root with fragments or several fields) goes to
-/// async-graphql's executor as it is, which admits it again and answers.
-pub fn plan(mut request: Request, admission: &DocumentAdmission) -> Option<Plan> {
-    admission.admit_inline(&mut request)?.ok()?;
+/// Whether a request is a subscription served here: a subscription
+/// operation whose only selection is one of `FIELDS`. Anything else (a
+/// query, a mutation, a document admission refuses or does not admit
+/// inline, a root with fragments or several fields) is handed back, to go
+/// to async-graphql's executor as it is, which admits it again and answers.
+pub fn plan(mut request: Request, admission: &DocumentAdmission) -> Result<Plan, Box<Request>> {
+    match key_of(&mut request, admission) {
+        Some(key) => {
+            let variables = request.variables.clone();
+            Ok(Plan {
+                request,
+                key,
+                variables,
+            })
+        }
+        None => Err(Box::new(request)),
+    }
+}
+
+/// What the renderings of a request served here depend on; `None` for a
+/// request not served here.
+fn key_of(request: &mut Request, admission: &DocumentAdmission) -> Option<DocumentKey> {
+    admission.admit_inline(request)?.ok()?;
     let operation = request.operation_name.clone();
     let document = request.parsed_query().ok()?;
     let bound = field_variables(document, operation.as_deref())?;
@@ -90,17 +105,11 @@ pub fn plan(mut request: Request, admission: &DocumentAdmission) -> Option<Plan>
         return None;
     };
     unbound.retain(|name, _| !bound.iter().any(|b| b == name));
-    let key = DocumentKey {
+    Some(DocumentKey {
         query: request.query.clone(),
         operation_name: request.operation_name.clone(),
         // serde_json's map keeps its keys sorted: equal maps print equally.
         variables: serde_json::Value::Object(unbound).to_string(),
-    };
-    let variables = request.variables.clone();
-    Some(Plan {
-        request,
-        key,
-        variables,
     })
 }
 
@@ -156,7 +165,7 @@ pub enum Frame {
 /// How a transport wraps the rendered payloads of one served operation.
 /// The payload is the GraphQL response of one event (`{"data":…}`), or of
 /// a refusal or error (`{"errors":…}`).
-pub trait Framing: Send + 'static {
+pub trait Framing: Send + Sync + 'static {
     /// One payload as the transport sends it.
     fn next(&self, payload: &str) -> String;
     /// What ends the operation.
@@ -165,10 +174,6 @@ pub trait Framing: Send + 'static {
 
 /// The frames of one WebSocket operation: the admission's refusal, or the
 /// feed's events rendered, then `complete` when the feed ends.
-///
-/// An operation waits for events most of its life, so what it keeps while it
-/// waits is small: the admission (the request, the schema's execution) is a
-/// boxed future gone once it answers, and the served feed is a plain struct.
 pub fn operation(
     fanout: Arc<Fanout>,
     schema: TetherSchema,
@@ -177,13 +182,57 @@ pub fn operation(
     legacy: bool,
     id: &str,
     plan: Plan,
-) -> Pin<Box<dyn Stream<Item = Frame> + Send>> {
-    let mut framing = Some(WsFraming::new(id, legacy));
-    let admission = Box::pin(admit(fanout, schema, store, session, plan));
-    Box::pin(
-        futures_util::stream::once(admission)
-            .flat_map(move |admitted| frames(framing.take().expect("one admission"), admitted)),
+) -> BoxStream<'static, Frame> {
+    serve(
+        fanout,
+        schema,
+        store,
+        session,
+        WsFraming::new(id, legacy),
+        plan,
     )
+}
+
+/// The frames of one served subscription in `framing`: the admission's
+/// refusal, or the feed's events rendered, then what ends it.
+///
+/// An operation waits for events most of its life, so what it keeps while it
+/// waits is small: the admission (the request, the schema's execution) is a
+/// boxed future gone once it answers, and the served feed is a plain struct.
+pub fn serve(
+    fanout: Arc<Fanout>,
+    schema: TetherSchema,
+    store: Store,
+    session: Arc<Data>,
+    framing: impl Framing,
+    plan: Plan,
+) -> BoxStream<'static, Frame> {
+    let mut framing = Some(framing);
+    let admission = Box::pin(admit(fanout, schema, store, session, plan));
+    futures_util::stream::once(admission)
+        .flat_map(move |admitted| frames(framing.take().expect("one admission"), admitted))
+        .boxed()
+}
+
+/// The frames of a request not served here (`plan` handed it back), run by
+/// async-graphql's executor: each response, then what ends it. For a
+/// transport that has no protocol engine of its own (the WebSocket's is
+/// async-graphql's).
+pub fn execute(
+    schema: &TetherSchema,
+    session: Arc<Data>,
+    framing: impl Framing,
+    request: Request,
+) -> BoxStream<'static, Frame> {
+    let framing = Arc::new(framing);
+    let last = framing.clone();
+    schema
+        .execute_stream_with_session_data(request, session)
+        .map(move |response| Frame::Next(framing.next(&payload_of(&response))))
+        .chain(futures_util::stream::once(async move {
+            Frame::Last(last.complete())
+        }))
+        .boxed()
 }
 
 /// What the admission gave: the refusal's responses, or the feed to serve.
@@ -679,7 +728,7 @@ mod tests {
     #[test]
     fn only_a_lone_event_field_of_a_subscription_is_served_here() {
         let admission = admission();
-        let served = |query: &str| plan(request(json!({ "query": query })), &admission).is_some();
+        let served = |query: &str| plan(request(json!({ "query": query })), &admission).is_ok();
         assert!(served(
             "subscription { runEvents(runId: \"r\") { cursor } }"
         ));
@@ -696,7 +745,7 @@ mod tests {
         assert!(!served(
             "subscription A { runEvents(runId: \"r\") { cursor } } subscription B { runEvents(runId: \"s\") { cursor } }"
         ));
-        assert!(plan(request(json!({ "query": "subscription A { runEvents(runId: \"r\") { cursor } } subscription B { runEvents(runId: \"s\") { cursor } }", "operationName": "B" })), &admission).is_some());
+        assert!(plan(request(json!({ "query": "subscription A { runEvents(runId: \"r\") { cursor } } subscription B { runEvents(runId: \"s\") { cursor } }", "operationName": "B" })), &admission).is_ok());
         assert!(!served("subscription { runEvents(runId: "));
         // Refused by admission, or too long to admit inline: the engine
         // admits it and answers.

@@ -1,5 +1,7 @@
 //! GraphQL over HTTP and the health probes.
 
+use std::future::Future;
+
 use async_graphql::http::WebSocketProtocols;
 use async_graphql_axum::GraphQLResponse;
 use axum::body::{Body, Bytes};
@@ -11,7 +13,7 @@ use http_body_util::BodyExt;
 use async_graphql::parser::types::OperationType;
 
 use super::admission::operation_type;
-use super::auth::AuthError;
+use super::auth::{AuthError, Viewer};
 use super::error::bad_request;
 use super::{AppState, ws};
 
@@ -28,48 +30,56 @@ const WS_WRITE_BUFFER_BYTES: usize = 16 * 1024;
 
 pub async fn graphql_post(State(app): State<AppState>, request: Request) -> Response {
     let (parts, body) = request.into_parts();
+    let viewer = app.auth.verify_header(authorization(&parts.headers));
+    match posted(&app, &parts.headers, body, viewer).await {
+        Ok((viewer, request)) => execute(&app, viewer, request, &parts.headers).await,
+        Err(refused) => refused,
+    }
+}
+
+/// The caller (`viewer`, being verified) and the JSON GraphQL request of a
+/// POST, or the answer that refuses them.
+pub(super) async fn posted(
+    app: &AppState,
+    headers: &HeaderMap,
+    body: Body,
+    viewer: impl Future<Output = Result<Viewer, AuthError>>,
+) -> Result<(Viewer, async_graphql::Request), Response> {
     let limit = app.limits.max_request_bytes;
-    let declared = parts
-        .headers
+    let declared = headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
     // A body too large even to drain is refused before a byte of it is read.
     if declared.is_some_and(|length| length > drain_bound(limit) as u64) {
-        return closing(too_large(limit));
+        return Err(closing(too_large(limit)));
     }
-    let viewer = app.auth.verify_header(authorization(&parts.headers)).await;
+    let viewer = viewer.await;
     // The body is read, or drained, whatever the answer: a client still
     // sending when the server closes gets a reset instead of that answer.
     // A body trickled in slowly holds its connection no longer than a query
     // may run.
     let reading = tokio::time::timeout(app.limits.request_timeout(), read_limited(body, limit));
-    let bytes = match (&viewer, reading.await) {
+    let bytes = match (viewer.as_ref(), reading.await) {
         (Ok(_), Ok(Ok(bytes))) => bytes,
-        (Err(refused), Ok(Ok(_))) => return unauthenticated(refused),
-        (Err(refused), _) => return closing(unauthenticated(refused)),
-        (Ok(_), Ok(Err(response))) => return response,
+        (Err(refused), Ok(Ok(_))) => return Err(unauthenticated(refused)),
+        (Err(refused), _) => return Err(closing(unauthenticated(refused))),
+        (Ok(_), Ok(Err(response))) => return Err(response),
         (Ok(_), Err(_)) => {
-            return closing(refusal(
+            return Err(closing(refusal(
                 StatusCode::REQUEST_TIMEOUT,
                 "the request body did not arrive within request_timeout_secs",
-            ));
+            )));
         }
     };
-    let viewer = match viewer {
-        Ok(viewer) => viewer,
-        Err(refused) => return unauthenticated(&refused),
-    };
-    let request: async_graphql::Request = match serde_json::from_slice(&bytes) {
-        Ok(request) => request,
-        Err(_) => {
-            return refusal(
-                StatusCode::BAD_REQUEST,
-                "the body must be a JSON GraphQL request",
-            );
-        }
-    };
-    execute(&app, viewer, request, &parts.headers).await
+    let viewer = viewer.map_err(|refused| unauthenticated(&refused))?;
+    match serde_json::from_slice(&bytes) {
+        Ok(request) => Ok((viewer, request)),
+        Err(_) => Err(refusal(
+            StatusCode::BAD_REQUEST,
+            "the body must be a JSON GraphQL request",
+        )),
+    }
 }
 
 /// Queries over GET, or the WebSocket upgrade for subscriptions.
@@ -120,30 +130,45 @@ pub async fn graphql_get(State(app): State<AppState>, request: Request) -> Respo
         Err(refused) => return unauthenticated(&refused),
     };
     let query = parts.uri.query().unwrap_or_default();
-    if query.len() > app.limits.max_request_bytes {
-        return refusal(StatusCode::URI_TOO_LONG, "the query string is too long");
+    match queried(&app, &viewer, query, &parts.headers).await {
+        Ok(request) => execute(&app, viewer, request, &parts.headers).await,
+        Err(refused) => refused,
     }
-    let mut request = match async_graphql::http::parse_query_string(query) {
-        Ok(request) => request,
-        Err(_) => return refusal(StatusCode::BAD_REQUEST, "malformed GraphQL query string"),
-    };
+}
+
+/// The GraphQL request of a GET's query string, admitted, or the answer
+/// that refuses it: a mutation must be sent with POST.
+pub(super) async fn queried(
+    app: &AppState,
+    viewer: &Viewer,
+    query: &str,
+    headers: &HeaderMap,
+) -> Result<async_graphql::Request, Response> {
+    if query.len() > app.limits.max_request_bytes {
+        return Err(refusal(
+            StatusCode::URI_TOO_LONG,
+            "the query string is too long",
+        ));
+    }
+    let mut request = async_graphql::http::parse_query_string(query)
+        .map_err(|_| refusal(StatusCode::BAD_REQUEST, "malformed GraphQL query string"))?;
     // Admitted before its operation's type is read from it.
-    if let Err(refused) = app.admission.admit(&mut request, Some(&viewer)).await {
+    if let Err(refused) = app.admission.admit(&mut request, Some(viewer)).await {
         let response = async_graphql::Response::from_errors(vec![refused.into()]);
-        return answer(response, &parts.headers);
+        return Err(answer(response, headers));
     }
     if operation_type(&mut request) == Some(OperationType::Mutation) {
-        return refusal(
+        return Err(refusal(
             StatusCode::METHOD_NOT_ALLOWED,
             "mutations must be sent with POST",
-        );
+        ));
     }
-    execute(&app, viewer, request, &parts.headers).await
+    Ok(request)
 }
 
 async fn execute(
     app: &AppState,
-    viewer: super::auth::Viewer,
+    viewer: Viewer,
     request: async_graphql::Request,
     headers: &HeaderMap,
 ) -> Response {
@@ -287,7 +312,7 @@ fn errors_body(message: &str, code: &str) -> serde_json::Value {
 }
 
 /// A request refused before it reached the schema, as a GraphQL error.
-fn refusal(status: StatusCode, message: &str) -> Response {
+pub(super) fn refusal(status: StatusCode, message: &str) -> Response {
     let err = bad_request(message);
     json_response(
         status,

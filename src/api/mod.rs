@@ -9,6 +9,7 @@ pub mod error;
 pub mod events;
 mod fanout;
 pub mod feed;
+mod graphql_sse;
 mod http;
 mod introspection;
 pub mod listener;
@@ -30,7 +31,7 @@ use std::sync::Arc;
 use async_graphql::{MergedObject, SDLExportOptions, Schema};
 use axum::Router;
 use axum::http::{HeaderValue, Method, header};
-use axum::routing::get;
+use axum::routing::{any, get};
 use tower_http::cors::{AllowOrigin, CorsLayer};
 
 use crate::config::{ApiConfig, MetricsConfig};
@@ -77,6 +78,8 @@ pub struct AppState {
     pub admission: Arc<DocumentAdmission>,
     /// What every WebSocket's loop uses, in one place for all of them.
     ws: Arc<ws::Shared>,
+    /// The streams reserved over `graphql-sse` in this process.
+    graphql_sse: Arc<graphql_sse::Reservations>,
 }
 
 pub fn schema(services: Services) -> TetherSchema {
@@ -196,6 +199,7 @@ impl AppState {
             fanout,
             admission,
             ws,
+            graphql_sse: Arc::default(),
         }
     }
 }
@@ -210,6 +214,7 @@ fn routes(state: AppState) -> Router {
     let cors = cors(&state.services.config.api);
     let mut router = Router::new()
         .route("/graphql", get(http::graphql_get).post(http::graphql_post))
+        .route("/graphql/stream", any(graphql_sse::graphql_stream))
         .route("/conversations/{id}/events", get(sse::conversation_events))
         .route("/runs/{id}/events", get(sse::run_events))
         .route("/healthz", get(http::healthz))
@@ -245,12 +250,21 @@ fn cors(api: &ApiConfig) -> Option<CorsLayer> {
     Some(
         CorsLayer::new()
             .allow_origin(AllowOrigin::list(origins))
-            .allow_methods([Method::GET, Method::POST, Method::OPTIONS])
-            // `Last-Event-ID`: a fetch-based SSE reader resuming a stream.
+            // `PUT` and `DELETE`: graphql-sse's reservations and stops.
+            .allow_methods([
+                Method::GET,
+                Method::POST,
+                Method::PUT,
+                Method::DELETE,
+                Method::OPTIONS,
+            ])
+            // `Last-Event-ID`: a fetch-based SSE reader resuming a stream;
+            // graphql-sse's stream token.
             .allow_headers([
                 header::AUTHORIZATION,
                 header::CONTENT_TYPE,
                 header::HeaderName::from_static("last-event-id"),
+                header::HeaderName::from_static(graphql_sse::TOKEN_HEADER),
             ]),
     )
 }

@@ -111,24 +111,9 @@ async fn events(
         Ok(viewer) => viewer,
         Err(refused) => return unauthenticated(&refused),
     };
-    // A stream holds its connection: it takes a slot of those kept from
-    // HTTP requests and the probes, and its principal's and tenant's share
-    // of them, as a WebSocket does.
-    let Ok(slot) = app.ws.sockets.clone().try_acquire_owned() else {
-        return refused(&errors(
-            "the server is serving as many streams as it may; try again later",
-            "UNAVAILABLE",
-        ));
-    };
-    let share = match app
-        .services
-        .quotas
-        .socket(&viewer.tenant, &viewer.principal)
-    {
-        Ok(share) => share,
-        Err(limited) => {
-            return refused(&json!({ "errors": [async_graphql::Error::from(limited)] }));
-        }
+    let held = match slot(app).and_then(|slot| Ok((slot, share(app, &viewer)?))) {
+        Ok(held) => held,
+        Err(body) => return refused(&body),
     };
     // `Last-Event-ID` is what `EventSource` sends when it reconnects; an
     // empty one, or an empty `?after=`, is none.
@@ -141,7 +126,7 @@ async fn events(
         .unwrap_or_else(|| Cursor::START.to_string());
     let request = Request::new(feed.document())
         .variables(Variables::from_json(json!({ "id": id, "after": after })));
-    let Some(plan) = fanout::plan(request, &app.admission) else {
+    let Ok(plan) = fanout::plan(request, &app.admission) else {
         // Only limits set below what the fixed document needs refuse it.
         tracing::error!("the plain SSE document is not admitted under the configured limits");
         return refused(&errors("internal error", "INTERNAL"));
@@ -182,7 +167,29 @@ async fn events(
             }
         }
     }
-    stream(app, &viewer, frames, (slot, share))
+    let events = frames.filter_map(|frame| std::future::ready(sse_event(frame)));
+    stream(app, &viewer, events.boxed(), held)
+}
+
+/// A slot of those kept from HTTP requests and the probes
+/// (`api.max_websockets`): a stream holds its connection, as a WebSocket
+/// does. 503 when there is none.
+pub(super) fn slot(app: &AppState) -> Result<OwnedSemaphorePermit, Value> {
+    app.ws.sockets.clone().try_acquire_owned().map_err(|_| {
+        errors(
+            "the server is serving as many streams as it may; try again later",
+            "UNAVAILABLE",
+        )
+    })
+}
+
+/// The viewer's principal's and tenant's share of streams and sockets: 429
+/// with `Retry-After` past it.
+pub(super) fn share(app: &AppState, viewer: &Viewer) -> Result<Share, Value> {
+    app.services
+        .quotas
+        .socket(&viewer.tenant, &viewer.principal)
+        .map_err(|limited| json!({ "errors": [async_graphql::Error::from(limited)] }))
 }
 
 /// Whether the run (already found the caller's) has ended.
@@ -197,7 +204,7 @@ async fn run_has_ended(app: &AppState, viewer: &Viewer, id: &str) -> bool {
 }
 
 /// A JSON error body with one error.
-fn errors(message: &str, code: &str) -> Value {
+pub(super) fn errors(message: &str, code: &str) -> Value {
     json!({ "errors": [{ "message": message, "extensions": { "code": code } }] })
 }
 
@@ -206,7 +213,7 @@ fn errors(message: &str, code: &str) -> Value {
 /// `api.sse_url_token_max_secs`. A URL is kept where a header is not (proxy
 /// logs, the browser's history), so only a short-lived token may travel in
 /// one; the server itself logs no URL.
-async fn caller(
+pub(super) async fn caller(
     app: &AppState,
     headers: &HeaderMap,
     url_token: Option<&str>,
@@ -225,18 +232,17 @@ async fn caller(
     Ok(viewer)
 }
 
-/// The admitted feed's frames as an SSE response, until the feed ends or
-/// the token expires; `held` (the stream's slot and share) is given back
+/// `events` as an SSE response, until they end or the token expires, with
+/// heartbeat comments; `held` (the stream's slot and share) is given back
 /// when it ends or the client goes.
-fn stream(
+pub(super) fn stream<H: Send + 'static>(
     app: &AppState,
     viewer: &Viewer,
-    frames: futures_util::stream::BoxStream<'static, Frame>,
-    held: (OwnedSemaphorePermit, Share),
+    events: futures_util::stream::BoxStream<'static, Event>,
+    held: H,
 ) -> Response {
     let expired = tokio::time::sleep(viewer.expires_in());
-    let events = frames
-        .filter_map(|frame| std::future::ready(sse_event(frame)))
+    let events = events
         .map(move |event| {
             let _held = &held;
             Ok::<_, std::convert::Infallible>(event)
@@ -296,7 +302,7 @@ fn sse_event(frame: Frame) -> Option<Event> {
 
 /// A refusal before the stream starts, with the status its code means over
 /// HTTP and the same body a GraphQL request would get.
-fn refused(body: &Value) -> Response {
+pub(super) fn refused(body: &Value) -> Response {
     let code = body["errors"][0]["extensions"]["code"].as_str();
     let status = match code {
         Some("NOT_FOUND") => StatusCode::NOT_FOUND,

@@ -334,7 +334,7 @@ fn step(
             match operations.admit(protocol, &id, served) {
                 Err(refusal) => Step::Reply(refusal),
                 Ok(can_serve) => match can_serve
-                    .then(|| fanout::plan(payload, admission))
+                    .then(|| fanout::plan(payload, admission).ok())
                     .flatten()
                 {
                     Some(plan) => Step::Serve(id, Box::new(plan)),

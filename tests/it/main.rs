@@ -19,6 +19,7 @@ mod during_a_run;
 mod fairness;
 mod fakes;
 mod graphiql;
+mod graphql_sse;
 mod history_tail;
 mod http_limits;
 mod identity_providers;

@@ -25,7 +25,7 @@ enum Item {
 
 /// An open SSE response, parsed block by block.
 struct SseReader {
-    body: BoxStream<'static, reqwest::Result<axum::body::Bytes>>,
+    body: BoxStream<'static, Result<Vec<u8>, String>>,
     buffer: String,
 }
 
@@ -110,7 +110,59 @@ async fn open(server: &Server, token: &str, path: &str, last_event_id: Option<&s
         "{path}"
     );
     SseReader {
-        body: response.bytes_stream().boxed(),
+        body: response
+            .bytes_stream()
+            .map(|chunk| chunk.map(|bytes| bytes.to_vec()).map_err(|e| e.to_string()))
+            .boxed(),
+        buffer: String::new(),
+    }
+}
+
+/// `open`, over a socket whose receive buffer is 4 KiB, read as raw
+/// HTTP/1.1: a reader that stops reading stalls the server's writes after
+/// a few events, instead of the kernel absorbing them all.
+async fn open_slow(server: &Server, token: &str, path: &str) -> SseReader {
+    use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut stream = socket.connect(server.addr.parse().unwrap()).await.unwrap();
+    let request = format!(
+        "GET {path} HTTP/1.1\r\nHost: {}\r\nAuthorization: Bearer {token}\r\n\r\n",
+        server.addr
+    );
+    stream.write_all(request.as_bytes()).await.unwrap();
+    let mut reader = BufReader::new(stream);
+    let mut head = Vec::new();
+    loop {
+        let mut line = String::new();
+        reader.read_line(&mut line).await.unwrap();
+        if line == "\r\n" {
+            break;
+        }
+        head.push(line.trim_end().to_ascii_lowercase());
+    }
+    assert_eq!(head[0], "http/1.1 200 ok", "{head:?}");
+    assert!(
+        head.contains(&"transfer-encoding: chunked".to_owned()),
+        "{head:?}"
+    );
+    // The chunked body, one chunk an item.
+    let body = futures_util::stream::unfold(reader, |mut reader| async move {
+        let mut size = String::new();
+        if reader.read_line(&mut size).await.ok()? == 0 {
+            return None;
+        }
+        let size = usize::from_str_radix(size.trim(), 16).ok()?;
+        if size == 0 {
+            return None;
+        }
+        let mut chunk = vec![0; size + 2];
+        reader.read_exact(&mut chunk).await.ok()?;
+        chunk.truncate(size);
+        Some((Ok(chunk), reader))
+    });
+    SseReader {
+        body: body.boxed(),
         buffer: String::new(),
     }
 }
@@ -399,4 +451,78 @@ async fn a_stream_holds_a_share_of_the_principals_streams_until_the_client_goes(
     let short = server.token_for("acme", "ada", Duration::from_secs(60));
     let url = get(&server, None, &format!("{path}?access_token={short}"), None).await;
     assert_eq!(url.status(), 401);
+}
+
+#[tokio::test]
+async fn a_stream_from_an_api_process_goes_on_when_its_worker_is_killed_mid_run() {
+    let api = Server::api_only(WORKER_CONFIG).await;
+    let mut worker = api.companion_with("worker", WORKER_CONFIG, &[]).await;
+    let token = api.token("acme", "ada");
+    let conversation = api.create_conversation(&token).await;
+    let mut reader = open(
+        &api,
+        &token,
+        &format!("/conversations/{conversation}/events"),
+        None,
+    )
+    .await;
+    let (_, run) = api.send(&token, &conversation, "/hold 3").await;
+
+    // The worker dies (SIGKILL) once the reply's text is being committed.
+    let mut seen = Vec::new();
+    while seen.last().is_none_or(|(_, kind)| kind != "part.updated") {
+        seen.extend(persisted(&mut reader, 1).await);
+    }
+    worker.child.kill().await.unwrap();
+    // Another takes the run over once its lease runs out; the stream,
+    // served by the API all along, goes on.
+    let _successor = api.companion_with("worker", WORKER_CONFIG, &[]).await;
+    while seen.last().is_none_or(|(_, kind)| kind != "run.completed") {
+        seen.extend(persisted(&mut reader, 1).await);
+    }
+    assert!(api.recoveries(&run).await > 0, "the run was taken over");
+    // Nothing lost, nothing repeated: exactly the log, in order.
+    let log = cursors_and_types(&api.all_events(&token, &conversation).await);
+    assert_eq!(seen, log);
+}
+
+/// A reader that stops reading while thousands of events commit holds
+/// nobody up: a fast reader of the same conversation gets every event
+/// while the slow one reads nothing, and the slow one, once it reads
+/// again, gets every event too, once each and in order.
+#[tokio::test]
+async fn a_slow_reader_loses_nothing_and_holds_no_one_up() {
+    const SENDS: usize = 700; // 1,400 events: more than the bus's 1,024
+    // No worker starts the runs, and one person may send them all.
+    let server = Server::start_with(crate::support::ServerOptions {
+        config: format!(
+            "{}\n[runtime]\nmax_waiting_runs_per_principal = 0\n",
+            crate::support::base_config_with_api("messages_per_minute = 0")
+        ),
+        ..Default::default()
+    })
+    .await;
+    let token = server.token("acme", "ada");
+    let conversation = server.create_conversation(&token).await;
+    let path = format!("/conversations/{conversation}/events");
+    let mut slow = open_slow(&server, &token, &path).await;
+    let mut fast = open(&server, &token, &path, None).await;
+    let total = SENDS * 2;
+
+    let writes = async {
+        for i in 0..SENDS {
+            server
+                .send(&token, &conversation, &format!("message {i}"))
+                .await;
+        }
+    };
+    let (_, fast_seen) = tokio::join!(writes, persisted(&mut fast, total));
+    let log = cursors_and_types(&server.all_events(&token, &conversation).await);
+    assert_eq!(log.len(), total);
+    assert_eq!(fast_seen, log, "fast reader: gap, repeat or disorder");
+    assert_eq!(
+        persisted(&mut slow, total).await,
+        log,
+        "slow reader: gap, repeat or disorder"
+    );
 }

@@ -1,0 +1,478 @@
+//! GraphQL over Server-Sent Events, the `graphql-sse` protocol, on
+//! `/graphql/stream`, in both of its modes:
+//! - **Distinct connections.** A `POST` (or `GET`) with
+//!   `Accept: text/event-stream` and no stream token is one operation: its
+//!   results stream back as `event: next` (`data:` the execution result),
+//!   then `event: complete`, and the stream ends.
+//! - **Single connection.** A `PUT` reserves a stream and answers `201` with
+//!   its token; a `GET` (or `POST`) with `Accept: text/event-stream` and the
+//!   token (header `x-graphql-event-stream-token`, or `?token=`) opens it;
+//!   each `POST` with the token and `extensions.operationId` starts an
+//!   operation (`202`) whose results come on the stream as
+//!   `{"id", "payload"}`, then `{"id"}` with `event: complete`; a `DELETE`
+//!   with `?operationId=` stops one.
+//!
+//! An adapter like `api::sse`: a subscription to the event feeds is served
+//! by `api::fanout` (admission through the schema, the feed, the shared
+//! rendering), anything else by async-graphql's executor, both in this
+//! module's framing. Every request carries the caller's bearer token (a
+//! stream's `GET`, which `EventSource` makes, may carry a short-lived one
+//! in `?access_token=`, as plain SSE); a reservation is its principal's
+//! alone, and another's token is a stream not found. A reservation holds a
+//! socket share of its principal's from the `PUT`; its stream, once open,
+//! also holds a slot of `api.max_websockets`. Reservations live in the
+//! process that made them: behind a load balancer, single-connection mode
+//! needs the stream and its operations routed to one instance.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::{Query, Request, State};
+use axum::http::request::Parts;
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, header};
+use axum::response::sse::Event;
+use axum::response::{IntoResponse, Response};
+use base64::Engine as _;
+use futures_util::StreamExt;
+use futures_util::stream::BoxStream;
+use serde::Deserialize;
+use tokio::sync::mpsc;
+use tokio_stream::StreamMap;
+
+use super::AppState;
+use super::auth::Viewer;
+use super::fanout::{self, Frame, Framing};
+use super::http::{json_response, posted, queried, refusal, unauthenticated};
+use super::quotas::Share;
+use super::sse;
+use super::ws::viewer_data;
+
+/// Where a client of single-connection mode sends its stream's token.
+pub const TOKEN_HEADER: &str = "x-graphql-event-stream-token";
+
+/// The reservations of single-connection mode made in this process.
+#[derive(Default)]
+pub struct Reservations {
+    by_token: Mutex<HashMap<String, Arc<Reservation>>>,
+}
+
+/// A stream reserved by a `PUT`, open or still to be opened.
+struct Reservation {
+    tenant: String,
+    principal: String,
+    /// Operations started or stopped, for the stream to serve.
+    control: mpsc::Sender<Control>,
+    /// Taken by the stream that opens the reservation: there is one.
+    inbox: Mutex<Option<mpsc::Receiver<Control>>>,
+    /// The principal's socket share, held from the `PUT`, then by the open
+    /// stream.
+    share: Mutex<Option<Share>>,
+    /// The ids of the operations not yet complete.
+    operations: Mutex<HashSet<String>>,
+}
+
+enum Control {
+    Start(String, BoxStream<'static, Frame>),
+    Stop(String),
+}
+
+/// What the URL may carry.
+#[derive(Deserialize)]
+pub struct Params {
+    token: Option<String>,
+    #[serde(rename = "operationId")]
+    operation_id: Option<String>,
+    access_token: Option<String>,
+}
+
+/// `/graphql/stream`, every method.
+pub async fn graphql_stream(State(app): State<AppState>, request: Request) -> Response {
+    let (parts, body) = request.into_parts();
+    let Ok(Query(params)) = Query::<Params>::try_from_uri(&parts.uri) else {
+        return bad_request("malformed query string");
+    };
+    let token = parts
+        .headers
+        .get(TOKEN_HEADER)
+        .and_then(|value| value.to_str().ok())
+        .map(str::to_owned)
+        .or(params.token.clone());
+    let wants_stream = parts
+        .headers
+        .get(header::ACCEPT)
+        .and_then(|value| value.to_str().ok())
+        .is_some_and(|accept| accept.contains("text/event-stream"));
+    match (&parts.method, token, wants_stream) {
+        (&Method::PUT, _, _) => reserve(&app, &parts.headers).await,
+        (&Method::DELETE, Some(token), _) => stop(&app, &parts.headers, &token, params).await,
+        (&Method::GET | &Method::POST, Some(token), true) => {
+            open(&app, &parts.headers, &token, params).await
+        }
+        (&Method::GET | &Method::POST, None, true) => distinct(&app, &parts, body, params).await,
+        (&Method::POST, Some(token), false) => start(&app, &parts.headers, &token, body).await,
+        (&Method::DELETE | &Method::POST, None, false) => bad_request(
+            "without Accept: text/event-stream, a request needs the token of a reserved stream",
+        ),
+        (&Method::GET, _, false) => json_response(
+            StatusCode::NOT_ACCEPTABLE,
+            "application/json",
+            &sse::errors(
+                "a GET of /graphql/stream must accept text/event-stream",
+                "BAD_USER_INPUT",
+            ),
+        ),
+        _ => {
+            let mut response = StatusCode::METHOD_NOT_ALLOWED.into_response();
+            response.headers_mut().insert(
+                header::ALLOW,
+                HeaderValue::from_static("GET, POST, PUT, DELETE"),
+            );
+            response
+        }
+    }
+}
+
+/// Distinct-connections mode: one operation, its results, `complete`.
+async fn distinct(app: &AppState, parts: &Parts, body: Body, params: Params) -> Response {
+    let request = if parts.method == Method::POST {
+        let viewer = sse::caller(app, &parts.headers, None);
+        posted(app, &parts.headers, body, viewer).await
+    } else {
+        match sse::caller(app, &parts.headers, params.access_token.as_deref()).await {
+            Err(refused) => Err(unauthenticated(&refused)),
+            Ok(viewer) => {
+                let query = parts.uri.query().unwrap_or_default();
+                queried(app, &viewer, query, &parts.headers)
+                    .await
+                    .map(|request| (viewer, request))
+            }
+        }
+    };
+    let (viewer, request) = match request {
+        Ok(posted) => posted,
+        Err(refused) => return refused,
+    };
+    let held = match sse::slot(app).and_then(|slot| Ok((slot, sse::share(app, &viewer)?))) {
+        Ok(held) => held,
+        Err(body) => return sse::refused(&body),
+    };
+    let frames = operation(app, &viewer, Distinct, request);
+    sse::stream(app, &viewer, frames.map(event).boxed(), held)
+}
+
+/// A `PUT`: a reservation of the caller's, `201` with its token.
+async fn reserve(app: &AppState, headers: &HeaderMap) -> Response {
+    let viewer = match sse::caller(app, headers, None).await {
+        Ok(viewer) => viewer,
+        Err(refused) => return unauthenticated(&refused),
+    };
+    let share = match sse::share(app, &viewer) {
+        Ok(share) => share,
+        Err(body) => return sse::refused(&body),
+    };
+    let mut bytes = [0u8; 32];
+    if getrandom::fill(&mut bytes).is_err() {
+        return sse::refused(&sse::errors("internal error", "INTERNAL"));
+    }
+    let token = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(bytes);
+    // Started and stopped operations wait here until the stream serves
+    // them: at most two messages for each operation a stream may hold.
+    let (control, inbox) = mpsc::channel(app.limits.ws_max_operations.saturating_mul(2).max(1));
+    let reservation = Arc::new(Reservation {
+        tenant: viewer.tenant.clone(),
+        principal: viewer.principal.clone(),
+        control,
+        inbox: Mutex::new(Some(inbox)),
+        share: Mutex::new(Some(share)),
+        operations: Mutex::default(),
+    });
+    app.graphql_sse.insert(token.clone(), reservation);
+    // A reservation no stream opens in time is let go, and its share with
+    // it.
+    let reservations = app.graphql_sse.clone();
+    let expiring = token.clone();
+    let within = Duration::from_secs(app.limits.ws_init_timeout_secs);
+    tokio::spawn(async move {
+        tokio::time::sleep(within).await;
+        reservations.remove_unopened(&expiring);
+    });
+    let mut response = (StatusCode::CREATED, token).into_response();
+    response.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; charset=utf-8"),
+    );
+    response
+}
+
+/// A stream's `GET`: the reservation opened, its operations' results as
+/// they come, for as long as the client stays or its token is valid.
+async fn open(app: &AppState, headers: &HeaderMap, token: &str, params: Params) -> Response {
+    let viewer = match sse::caller(app, headers, params.access_token.as_deref()).await {
+        Ok(viewer) => viewer,
+        Err(refused) => return unauthenticated(&refused),
+    };
+    let Some(reservation) = app.graphql_sse.of(token, &viewer) else {
+        return not_found();
+    };
+    let slot = match sse::slot(app) {
+        Ok(slot) => slot,
+        Err(body) => return sse::refused(&body),
+    };
+    let inbox = reservation
+        .inbox
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .take();
+    let Some(inbox) = inbox else {
+        return json_response(
+            StatusCode::CONFLICT,
+            "application/json",
+            &sse::errors("the stream is already open", "CONFLICT"),
+        );
+    };
+    let share = reservation
+        .share
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .take();
+    let opened = Opened {
+        reservations: app.graphql_sse.clone(),
+        token: token.to_owned(),
+    };
+    let events = serve_reservation(reservation, inbox, opened);
+    sse::stream(app, &viewer, events, (slot, share))
+}
+
+/// The open stream's events: each operation's frames as they come.
+fn serve_reservation(
+    reservation: Arc<Reservation>,
+    mut inbox: mpsc::Receiver<Control>,
+    opened: Opened,
+) -> BoxStream<'static, Event> {
+    async_stream::stream! {
+        let _opened = opened;
+        let mut served: StreamMap<String, BoxStream<'static, Frame>> = StreamMap::new();
+        loop {
+            tokio::select! {
+                control = inbox.recv() => match control {
+                    Some(Control::Start(id, frames)) => {
+                        served.insert(id, frames);
+                    }
+                    Some(Control::Stop(id)) => {
+                        served.remove(&id);
+                    }
+                    // The reservation keeps a sender while the stream is
+                    // served: never.
+                    None => break,
+                },
+                Some((id, frame)) = served.next(), if !served.is_empty() => {
+                    if matches!(frame, Frame::Last(_)) {
+                        reservation.operations().remove(&id);
+                    }
+                    yield event(frame);
+                }
+            }
+        }
+    }
+    .boxed()
+}
+
+/// A `POST` with a stream's token: an operation started on the stream,
+/// `202`; its results come on the stream.
+async fn start(app: &AppState, headers: &HeaderMap, token: &str, body: Body) -> Response {
+    let viewer = sse::caller(app, headers, None);
+    let (viewer, request) = match posted(app, headers, body, viewer).await {
+        Ok(posted) => posted,
+        Err(refused) => return refused,
+    };
+    let Some(reservation) = app.graphql_sse.of(token, &viewer) else {
+        return not_found();
+    };
+    let id = match request.extensions.get("operationId") {
+        Some(async_graphql::Value::String(id)) if !id.is_empty() => id.clone(),
+        _ => return bad_request("extensions.operationId must name the operation"),
+    };
+    {
+        let mut operations = reservation.operations();
+        if operations.contains(&id) {
+            return json_response(
+                StatusCode::CONFLICT,
+                "application/json",
+                &sse::errors("an operation with this operationId is running", "CONFLICT"),
+            );
+        }
+        let most = app.limits.ws_max_operations;
+        if operations.len() >= most {
+            return bad_request(&format!(
+                "too many operations on this stream (at most {most})"
+            ));
+        }
+        operations.insert(id.clone());
+    }
+    let frames = operation(app, &viewer, Single::new(&id), request);
+    if reservation
+        .control
+        .try_send(Control::Start(id.clone(), frames))
+        .is_err()
+    {
+        reservation.operations().remove(&id);
+        return not_found();
+    }
+    StatusCode::ACCEPTED.into_response()
+}
+
+/// A `DELETE` with a stream's token and `?operationId=`: the operation
+/// stopped, `200`.
+async fn stop(app: &AppState, headers: &HeaderMap, token: &str, params: Params) -> Response {
+    let viewer = match sse::caller(app, headers, None).await {
+        Ok(viewer) => viewer,
+        Err(refused) => return unauthenticated(&refused),
+    };
+    let Some(reservation) = app.graphql_sse.of(token, &viewer) else {
+        return not_found();
+    };
+    let Some(id) = params.operation_id.filter(|id| !id.is_empty()) else {
+        return bad_request("?operationId= must name the operation to stop");
+    };
+    // An operation complete already, or never started, has nothing to stop.
+    if reservation.operations().remove(&id) {
+        let _ = reservation.control.try_send(Control::Stop(id));
+    }
+    StatusCode::OK.into_response()
+}
+
+/// One operation's frames: a subscription to the event feeds served by the
+/// fan-out, anything else by the executor.
+fn operation(
+    app: &AppState,
+    viewer: &Viewer,
+    framing: impl Framing,
+    request: async_graphql::Request,
+) -> BoxStream<'static, Frame> {
+    let session = Arc::new(viewer_data(viewer));
+    match fanout::plan(request, &app.admission) {
+        Ok(plan) => fanout::serve(
+            app.fanout.clone(),
+            app.schema.clone(),
+            app.services.store.clone(),
+            session,
+            framing,
+            plan,
+        ),
+        Err(request) => fanout::execute(&app.schema, session, framing, *request),
+    }
+}
+
+/// A frame as the protocol's event: `next`, or `complete` for the last.
+fn event(frame: Frame) -> Event {
+    match frame {
+        Frame::Next(data) => Event::default().event("next").data(data),
+        Frame::Last(data) => Event::default().event("complete").data(data),
+    }
+}
+
+/// Distinct-connections mode's data: the execution result; nothing with
+/// `complete`.
+struct Distinct;
+
+impl Framing for Distinct {
+    fn next(&self, payload: &str) -> String {
+        payload.to_owned()
+    }
+
+    fn complete(&self) -> String {
+        String::new()
+    }
+}
+
+/// Single-connection mode's data: the result with its operation's id.
+struct Single {
+    /// The id, as a JSON string.
+    id: String,
+}
+
+impl Single {
+    fn new(id: &str) -> Single {
+        Single {
+            id: serde_json::Value::from(id).to_string(),
+        }
+    }
+}
+
+impl Framing for Single {
+    fn next(&self, payload: &str) -> String {
+        format!(r#"{{"id":{},"payload":{payload}}}"#, self.id)
+    }
+
+    fn complete(&self) -> String {
+        format!(r#"{{"id":{}}}"#, self.id)
+    }
+}
+
+impl Reservations {
+    fn insert(&self, token: String, reservation: Arc<Reservation>) {
+        self.tokens().insert(token, reservation);
+    }
+
+    /// The reservation of `token`, if it is `viewer`'s.
+    fn of(&self, token: &str, viewer: &Viewer) -> Option<Arc<Reservation>> {
+        self.tokens()
+            .get(token)
+            .filter(|r| r.tenant == viewer.tenant && r.principal == viewer.principal)
+            .cloned()
+    }
+
+    /// Lets a reservation go if no stream has opened it.
+    fn remove_unopened(&self, token: &str) {
+        let mut tokens = self.tokens();
+        let unopened = tokens.get(token).is_some_and(|reservation| {
+            reservation
+                .inbox
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .is_some()
+        });
+        if unopened {
+            tokens.remove(token);
+        }
+    }
+
+    fn tokens(&self) -> std::sync::MutexGuard<'_, HashMap<String, Arc<Reservation>>> {
+        self.by_token.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl Reservation {
+    fn operations(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
+        self.operations
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// An open stream's hold on its reservation: the reservation ends with the
+/// stream.
+struct Opened {
+    reservations: Arc<Reservations>,
+    token: String,
+}
+
+impl Drop for Opened {
+    fn drop(&mut self) {
+        self.reservations.tokens().remove(&self.token);
+    }
+}
+
+fn not_found() -> Response {
+    json_response(
+        StatusCode::NOT_FOUND,
+        "application/json",
+        &sse::errors("stream not found", "NOT_FOUND"),
+    )
+}
+
+fn bad_request(message: &str) -> Response {
+    refusal(StatusCode::BAD_REQUEST, message)
+}
