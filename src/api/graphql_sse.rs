@@ -44,7 +44,7 @@ use tokio_stream::StreamMap;
 use super::AppState;
 use super::auth::Viewer;
 use super::fanout::{self, Frame, Framing};
-use super::http::{json_response, posted, queried, refusal, unauthenticated};
+use super::http::{GRAPHQL_REQUEST, json_response, posted, queried, refusal, unauthenticated};
 use super::quotas::Share;
 use super::sse;
 use super::ws::viewer_data;
@@ -138,7 +138,7 @@ pub async fn graphql_stream(State(app): State<AppState>, request: Request) -> Re
 async fn distinct(app: &AppState, parts: &Parts, body: Body, params: Params) -> Response {
     let request = if parts.method == Method::POST {
         let viewer = sse::caller(app, &parts.headers, None);
-        posted(app, &parts.headers, body, viewer).await
+        posted(app, &parts.headers, body, viewer, GRAPHQL_REQUEST).await
     } else {
         match sse::caller(app, &parts.headers, params.access_token.as_deref()).await {
             Err(refused) => Err(unauthenticated(&refused)),
@@ -283,10 +283,11 @@ fn serve_reservation(
 /// `202`; its results come on the stream.
 async fn start(app: &AppState, headers: &HeaderMap, token: &str, body: Body) -> Response {
     let viewer = sse::caller(app, headers, None);
-    let (viewer, request) = match posted(app, headers, body, viewer).await {
-        Ok(posted) => posted,
-        Err(refused) => return refused,
-    };
+    let (viewer, request): (_, async_graphql::Request) =
+        match posted(app, headers, body, viewer, GRAPHQL_REQUEST).await {
+            Ok(posted) => posted,
+            Err(refused) => return refused,
+        };
     let Some(reservation) = app.graphql_sse.of(token, &viewer) else {
         return not_found();
     };

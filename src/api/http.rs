@@ -19,6 +19,9 @@ use super::{AppState, ws};
 
 const GRAPHQL_RESPONSE: &str = "application/graphql-response+json";
 
+/// What the body of a GraphQL POST must be.
+pub(super) const GRAPHQL_REQUEST: &str = "a JSON GraphQL request";
+
 /// A WebSocket's read buffer, allocated up front (it grows for a larger
 /// frame; most of a client's frames are small: pings, `complete`s).
 const WS_READ_BUFFER_BYTES: usize = 512;
@@ -31,20 +34,22 @@ const WS_WRITE_BUFFER_BYTES: usize = 16 * 1024;
 pub async fn graphql_post(State(app): State<AppState>, request: Request) -> Response {
     let (parts, body) = request.into_parts();
     let viewer = app.auth.verify_header(authorization(&parts.headers));
-    match posted(&app, &parts.headers, body, viewer).await {
+    match posted(&app, &parts.headers, body, viewer, GRAPHQL_REQUEST).await {
         Ok((viewer, request)) => execute(&app, viewer, request, &parts.headers).await,
         Err(refused) => refused,
     }
 }
 
-/// The caller (`viewer`, being verified) and the JSON GraphQL request of a
-/// POST, or the answer that refuses them.
-pub(super) async fn posted(
+/// The caller (`viewer`, being verified) and the JSON body of a POST,
+/// `what` it must be (a GraphQL request, say), or the answer that refuses
+/// them.
+pub(super) async fn posted<T: serde::de::DeserializeOwned>(
     app: &AppState,
     headers: &HeaderMap,
     body: Body,
     viewer: impl Future<Output = Result<Viewer, AuthError>>,
-) -> Result<(Viewer, async_graphql::Request), Response> {
+    what: &str,
+) -> Result<(Viewer, T), Response> {
     let limit = app.limits.max_request_bytes;
     let declared = headers
         .get(header::CONTENT_LENGTH)
@@ -75,9 +80,9 @@ pub(super) async fn posted(
     let viewer = viewer.map_err(|refused| unauthenticated(&refused))?;
     match serde_json::from_slice(&bytes) {
         Ok(request) => Ok((viewer, request)),
-        Err(_) => Err(refusal(
+        Err(err) => Err(refusal(
             StatusCode::BAD_REQUEST,
-            "the body must be a JSON GraphQL request",
+            &format!("the body must be {what}: {err}"),
         )),
     }
 }

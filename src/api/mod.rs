@@ -1,6 +1,7 @@
 //! The GraphQL API: schema, authentication, HTTP and WebSocket transports.
 
 pub mod admission;
+mod ai_chat;
 pub mod auth;
 pub mod context;
 pub mod cost;
@@ -31,7 +32,7 @@ use std::sync::Arc;
 use async_graphql::{MergedObject, SDLExportOptions, Schema};
 use axum::Router;
 use axum::http::{HeaderValue, Method, header};
-use axum::routing::{any, get};
+use axum::routing::{any, get, post};
 use tower_http::cors::{AllowOrigin, CorsLayer};
 
 use crate::config::{ApiConfig, MetricsConfig};
@@ -215,6 +216,8 @@ fn routes(state: AppState) -> Router {
     let mut router = Router::new()
         .route("/graphql", get(http::graphql_get).post(http::graphql_post))
         .route("/graphql/stream", any(graphql_sse::graphql_stream))
+        .route("/ai/chat", post(ai_chat::chat))
+        .route("/ai/chat/{id}/stream", get(ai_chat::resume))
         .route("/conversations/{id}/events", get(sse::conversation_events))
         .route("/runs/{id}/events", get(sse::run_events))
         .route("/healthz", get(http::healthz))

@@ -26,6 +26,7 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use futures_util::StreamExt;
+use futures_util::stream::BoxStream;
 use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio::sync::OwnedSemaphorePermit;
@@ -55,7 +56,7 @@ const EVENT: &str = "fragment Event on TransportEvent { __typename cursor type c
 
 /// Whose events a stream follows.
 #[derive(Clone, Copy, PartialEq)]
-enum Feed {
+pub(super) enum Feed {
     Conversation,
     Run,
 }
@@ -124,36 +125,10 @@ async fn events(
         .or(params.after)
         .filter(|after| !after.is_empty())
         .unwrap_or_else(|| Cursor::START.to_string());
-    let request = Request::new(feed.document())
-        .variables(Variables::from_json(json!({ "id": id, "after": after })));
-    let Ok(plan) = fanout::plan(request, &app.admission) else {
-        // Only limits set below what the fixed document needs refuse it.
-        tracing::error!("the plain SSE document is not admitted under the configured limits");
-        return refused(&errors("internal error", "INTERNAL"));
+    let mut frames = match follow(app, &viewer, feed, &id, &after).await {
+        Ok(frames) => frames,
+        Err(body) => return refused(&body),
     };
-    let admitted = fanout::admit(
-        app.fanout.clone(),
-        app.schema.clone(),
-        app.services.store.clone(),
-        Arc::new(viewer_data(&viewer)),
-        plan,
-    )
-    .await;
-    if let Admitted::Refused(responses) = &admitted {
-        let mut body = responses
-            .first()
-            .and_then(|response| serde_json::to_value(response).ok())
-            .unwrap_or(Value::Null);
-        // Where in a document the client never sent is no help to it.
-        for err in body["errors"].as_array_mut().into_iter().flatten() {
-            if let Some(err) = err.as_object_mut() {
-                err.remove("locations");
-                err.remove("path");
-            }
-        }
-        return refused(&body);
-    }
-    let mut frames = fanout::frames(Unframed, admitted).boxed();
     // A run that has ended has a stream that ends: one with nothing after
     // the cursor answers 204, which stops `EventSource` reconnecting to it
     // for ever with its last event's id.
@@ -169,6 +144,55 @@ async fn events(
     }
     let events = frames.filter_map(|frame| std::future::ready(sse_event(frame)));
     stream(app, &viewer, events.boxed(), held)
+}
+
+/// The events of a conversation's or a run's feed after `after`, each
+/// rendered with every field its type has (`{"data":{"events":…}}`), as
+/// the subscription a WebSocket client would make: admitted through the
+/// schema (the viewer's access, the cursor, the subscription shares) and
+/// served by the fan-out. A refusal is its error body.
+pub(super) async fn follow(
+    app: &AppState,
+    viewer: &Viewer,
+    feed: Feed,
+    id: &str,
+    after: &str,
+) -> Result<BoxStream<'static, Frame>, Value> {
+    let request = Request::new(feed.document())
+        .variables(Variables::from_json(json!({ "id": id, "after": after })));
+    let Ok(plan) = fanout::plan(request, &app.admission) else {
+        // Only limits set below what the fixed document needs refuse it.
+        tracing::error!("the events document is not admitted under the configured limits");
+        return Err(errors("internal error", "INTERNAL"));
+    };
+    let admitted = fanout::admit(
+        app.fanout.clone(),
+        app.schema.clone(),
+        app.services.store.clone(),
+        Arc::new(viewer_data(viewer)),
+        plan,
+    )
+    .await;
+    if let Admitted::Refused(responses) = &admitted {
+        let mut body = responses
+            .first()
+            .and_then(|response| serde_json::to_value(response).ok())
+            .unwrap_or(Value::Null);
+        without_locations(&mut body);
+        return Err(body);
+    }
+    Ok(fanout::frames(Unframed, admitted))
+}
+
+/// The errors of `body` without where in the document they are: no help
+/// to a client that never sent it.
+pub(super) fn without_locations(body: &mut Value) {
+    for err in body["errors"].as_array_mut().into_iter().flatten() {
+        if let Some(err) = err.as_object_mut() {
+            err.remove("locations");
+            err.remove("path");
+        }
+    }
 }
 
 /// A slot of those kept from HTTP requests and the probes
@@ -238,7 +262,7 @@ pub(super) async fn caller(
 pub(super) fn stream<H: Send + 'static>(
     app: &AppState,
     viewer: &Viewer,
-    events: futures_util::stream::BoxStream<'static, Event>,
+    events: BoxStream<'static, Event>,
     held: H,
 ) -> Response {
     let expired = tokio::time::sleep(viewer.expires_in());

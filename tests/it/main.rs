@@ -4,6 +4,7 @@
 mod support;
 
 mod admission;
+mod ai_chat;
 mod arguments;
 mod auth;
 mod cli;

@@ -9,42 +9,27 @@
 // to build the page with VITE_TETHER_URL pointing straight at tether (another
 // origin: needs the server's `[api] cors_origins`, which the test sets).
 import { spawn, execFile } from "node:child_process";
-import { existsSync, mkdtempSync, mkdirSync, writeFileSync, rmSync } from "node:fs";
-import { createServer } from "node:net";
-import { tmpdir } from "node:os";
+import { existsSync, mkdirSync, writeFileSync } from "node:fs";
 import { dirname, join, resolve } from "node:path";
-import { createInterface } from "node:readline";
 import { fileURLToPath } from "node:url";
 import { promisify } from "node:util";
 import { randomBytes } from "node:crypto";
 import { chromium } from "playwright-core";
+import { byName, children, freePort, startAndWait, steps, tetherBinary, tetherWorkspace, untilAnswers } from "../../e2e-support.mjs";
 
 const here = dirname(fileURLToPath(import.meta.url));
 const root = resolve(here, "..");
 const artifacts = join(here, "artifacts");
 mkdirSync(artifacts, { recursive: true });
 
-const tetherBin = process.env.TETHER_BIN;
-if (!tetherBin) {
-  console.error("TETHER_BIN must name a built tether binary (e.g. $CARGO_TARGET_DIR/debug/tether)");
-  process.exit(2);
-}
+const tetherBin = tetherBinary();
 const chromiumPath = process.env.CHROMIUM ?? "/usr/bin/chromium";
 const TIMEOUT = 20_000;
 
-const work = mkdtempSync(join(tmpdir(), "tether-e2e-"));
-const children = [];
-const lastChild = {};
-const env = {
-  ...process.env,
-  TETHER_DATABASE_URL: `sqlite://${join(work, "tether.db")}?mode=rwc`,
-  TETHER_JWT_SECRET: randomBytes(32).toString("hex"),
-  TETHER_LISTEN: "127.0.0.1:0",
-  TETHER_CONFIG: join(work, "tether.toml"),
+const { work, env } = tetherWorkspace("e2e", {
   TETHER_ENCRYPTION_KEY: randomBytes(32).toString("base64"),
   GITHUB_CLIENT_SECRET: "demo-secret",
-  RUST_LOG: process.env.RUST_LOG ?? "warn",
-};
+});
 
 const config = (previewPort, mockUrl) => `default_agent = "demo"
 
@@ -86,83 +71,11 @@ client_secret_env = "GITHUB_CLIENT_SECRET"
 redirect_uri = "http://127.0.0.1:${previewPort}/oauth/callback"
 `;
 
-function cleanup() {
-  for (const child of children) if (child.exitCode === null) child.kill("SIGTERM");
-  rmSync(work, { recursive: true, force: true });
-}
-process.on("exit", cleanup);
-process.on("SIGINT", () => process.exit(130));
-
-/** Starts a process and resolves with the first stdout line matching `pattern`. */
-function startAndWait(command, args, options, pattern, what) {
-  return new Promise((resolveLine, reject) => {
-    const child = spawn(command, args, { ...options, stdio: ["pipe", "pipe", "pipe"] });
-    children.push(child);
-    lastChild[what] = child;
-    let stderr = "";
-    child.stderr.on("data", (d) => {
-      stderr += d;
-      if (process.env.E2E_VERBOSE) process.stderr.write(d);
-    });
-    const timer = setTimeout(() => reject(new Error(`${what} did not start in time:\n${stderr}`)), 60_000);
-    child.on("exit", (code, signal) => {
-      clearTimeout(timer);
-      reject(new Error(`${what} exited with ${code ?? signal}:\n${stderr}`));
-    });
-    createInterface({ input: child.stdout }).on("line", (line) => {
-      if (process.env.E2E_VERBOSE) console.log(`[${what}] ${line}`);
-      const match = line.match(pattern);
-      if (match) {
-        clearTimeout(timer);
-        resolveLine(match);
-      }
-    });
-  });
-}
-
-/** Resolves once `url` answers HTTP 200 (polled every 100 ms, 60 s at most). */
-async function untilAnswers(url, child) {
-  const deadline = Date.now() + 60_000;
-  while (Date.now() < deadline) {
-    if (child.exitCode !== null) throw new Error(`the server for ${url} exited with ${child.exitCode}`);
-    try {
-      if ((await fetch(url)).ok) return;
-    } catch {
-      // not listening yet
-    }
-    await new Promise((r) => setTimeout(r, 100));
-  }
-  throw new Error(`${url} did not answer in time`);
-}
-
-function freePort() {
-  return new Promise((res, rej) => {
-    const server = createServer();
-    server.listen(0, "127.0.0.1", () => {
-      const { port } = server.address();
-      server.close(() => res(port));
-    });
-    server.on("error", rej);
-  });
-}
 
 // ---- the steps ---------------------------------------------------------------
 
-const results = [];
-let currentPage = null;
-async function step(name, fn) {
-  const started = Date.now();
-  try {
-    await fn();
-    results.push({ name, ok: true });
-    console.log(`ok - ${name} (${Date.now() - started} ms)`);
-  } catch (error) {
-    results.push({ name, ok: false });
-    await currentPage?.screenshot({ path: join(artifacts, `failed-${results.length}.png`), fullPage: true }).catch(() => {});
-    console.log(`not ok - ${name}\n  ${String(error?.stack ?? error).split("\n").join("\n  ")}`);
-    throw error;
-  }
-}
+const run = steps(artifacts);
+const { step } = run;
 
 async function main() {
   if (!existsSync(join(root, "dist", "index.html"))) throw new Error("no dist/: run `npm run build` first");
@@ -217,7 +130,7 @@ async function main() {
   const context = await browser.newContext({ viewport: { width: 1200, height: 900 } });
   context.setDefaultTimeout(TIMEOUT);
   const page = await context.newPage();
-  currentPage = page;
+  run.page = page;
   page.on("pageerror", (e) => console.log(`  [page error] ${e.message}`));
   // Every subscribe message the page sends, to see which cursor it resumes from.
   const subscribes = [];
@@ -550,7 +463,7 @@ async function main() {
     await newConversation("Dropped socket");
     await send("before the drop");
     await page.locator('[data-testid="message-run-status"][data-status="COMPLETED"]').last().waitFor();
-    const server = lastChild.tether;
+    const server = byName.tether;
     const exited = new Promise((res) => server.once("exit", res));
     server.kill("SIGKILL");
     await exited;
@@ -581,15 +494,4 @@ async function main() {
   await browser.close();
 }
 
-main()
-  .then(() => {
-    const passed = results.filter((r) => r.ok).length;
-    console.log(`e2e: ${passed} passed, ${results.length - passed} failed`);
-    process.exit(0);
-  })
-  .catch((error) => {
-    if (!results.some((r) => !r.ok)) console.log(`error: ${error?.stack ?? error}`);
-    const passed = results.filter((r) => r.ok).length;
-    console.log(`e2e: ${passed} passed, ${results.length - passed + (results.some((r) => !r.ok) ? 0 : 1)} failed`);
-    process.exit(1);
-  });
+run.report(main);
