@@ -22,7 +22,11 @@
 //!   plain SSE streams (`GET /conversations/{id}/events?after=<the latest
 //!   cursor>`, raw HTTP/1.1, one connection each) instead of WebSockets.
 //!   Its reference column is Tether's own WebSocket figure of the same
-//!   run, so the ratio is SSE / WebSocket.
+//!   run, so the ratio is SSE / WebSocket. Beside it, what N idle
+//!   HTTP/1.1 connections cost by themselves (each had one `GET /healthz`
+//!   answered and stays open): the part of an SSE stream that is the
+//!   connection hyper keeps (its read and write buffers), which a
+//!   WebSocket gives up at its upgrade.
 //! - **fan-out from commit**: N subscribers of one conversation (live, no
 //!   `after`); `sendMessage` at a fixed rate of half the target events/s.
 //!   Tether serves `--role api` (no workers), so each `sendMessage` commits
@@ -678,6 +682,42 @@ async fn idle_sse(n: usize) -> Idle {
     }
 }
 
+/// What an idle HTTP/1.1 connection costs the server by itself: N
+/// connections that each had one `GET /healthz` answered and stay open
+/// (keep-alive). A plain SSE stream is such a connection with its response
+/// still going; a WebSocket leaves this behind at its upgrade.
+async fn idle_keepalive(n: usize) -> f64 {
+    let server = start(Kind::Tether, false, 0);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let rss0 = server.rss_kib();
+    let request = format!("GET /healthz HTTP/1.1\r\nHost: {}\r\n\r\n", server.addr);
+    let streams: Vec<TcpStream> = stream::iter(0..n)
+        .map(|_| async {
+            let mut stream = TcpStream::connect(&server.addr)
+                .await
+                .expect("the server accepts");
+            stream
+                .write_all(request.as_bytes())
+                .await
+                .expect("the request goes out");
+            let mut answer = Vec::new();
+            let mut buffer = [0u8; 512];
+            while !answer.ends_with(b"ok") {
+                let read = stream.read(&mut buffer).await.expect("the answer comes");
+                assert!(read > 0, "the connection stays open");
+                answer.extend_from_slice(&buffer[..read]);
+            }
+            stream
+        })
+        .buffer_unordered(OPEN_CONCURRENCY)
+        .collect()
+        .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let rss1 = server.rss_kib();
+    drop(streams);
+    (rss1 - rss0) / n as f64
+}
+
 /// Reads one SSE response until `stop`: counts the response (in
 /// `completed`, once its first bytes come) and each persisted event (a line
 /// starting `id:`) in `events`.
@@ -1104,6 +1144,15 @@ async fn main() {
         );
         sse_row.note = "reference column: Tether's own WebSocket subscription".into();
         rows.push(sse_row);
+        eprintln!("idle: {n} keep-alive HTTP/1.1 connections on tether");
+        let mut keepalive = row(
+            format!("idle: resident per kept-alive HTTP/1.1 connection, {n}"),
+            idle_keepalive(n).await,
+            Some(sse.kib_per_sub),
+            "KiB",
+        );
+        keepalive.note = "reference column: the SSE stream's".into();
+        rows.push(keepalive);
         rows.push(row(
             format!("idle: open {n} SSE streams, 200 at a time"),
             sse.open_secs,

@@ -20,6 +20,8 @@
 
 mod chunks;
 
+use std::collections::{HashMap, HashSet};
+
 use async_graphql::Variables;
 use axum::extract::{Path, Query, Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
@@ -34,11 +36,14 @@ use super::AppState;
 use super::auth::Viewer;
 use super::fanout::Frame;
 use super::http::{posted, refusal, unauthenticated};
-use super::sse::{self, Feed};
+use super::sse::{self, Feed, Held};
 use crate::domain::cursor::Cursor;
 
 /// Rendered events read from the feed before the message is read again.
 const BATCH: usize = 256;
+
+/// The events that end a run.
+const FINAL: [&str; 3] = ["run.completed", "run.failed", "run.cancelled"];
 
 /// The message's state and the run's, as `chunks` reads them.
 const SNAPSHOT: &str = "query Snapshot($m: ID!, $r: ID!) { \
@@ -95,9 +100,15 @@ pub async fn chat(State(app): State<AppState>, request: Request) -> Response {
             "messages must end with the new message",
         );
     };
+    // The stream's slot and share first: a request refused for want of
+    // them changes nothing.
+    let held = match sse::hold(&app, &viewer) {
+        Ok(held) => held,
+        Err(body) => return sse::refused(&body),
+    };
     match last.role.as_str() {
-        "user" => send(&app, viewer, &chat.id, last).await,
-        "assistant" => decide(&app, viewer, &chat.id, last).await,
+        "user" => send(&app, viewer, held, &chat.id, last).await,
+        "assistant" => decide(&app, viewer, held, &chat.id, last).await,
         _ => refusal(
             StatusCode::BAD_REQUEST,
             "the last message must be the user's new message, or the assistant's with approval responses",
@@ -116,6 +127,10 @@ pub async fn resume(
         Ok(viewer) => viewer,
         Err(refused) => return unauthenticated(&refused),
     };
+    let held = match sse::hold(&app, &viewer) {
+        Ok(held) => held,
+        Err(body) => return sse::refused(&body),
+    };
     let active = execute(
         &app,
         &viewer,
@@ -128,7 +143,7 @@ pub async fn resume(
         Err(body) => return sse::refused(&body),
     };
     if data["conversation"].is_null() {
-        return sse::refused(&sse::errors("conversation not found", "NOT_FOUND"));
+        return not_found("conversation not found");
     }
     match data["conversation"]["activeRun"]["id"].as_str() {
         None => StatusCode::NO_CONTENT.into_response(),
@@ -137,6 +152,7 @@ pub async fn resume(
             stream(
                 &app,
                 viewer,
+                held,
                 run,
                 &Cursor::START.to_string(),
                 projector,
@@ -148,7 +164,13 @@ pub async fn resume(
 }
 
 /// A user message: sent, and its run streamed.
-async fn send(app: &AppState, viewer: Viewer, conversation: &str, message: &UiMessage) -> Response {
+async fn send(
+    app: &AppState,
+    viewer: Viewer,
+    held: Held,
+    conversation: &str,
+    message: &UiMessage,
+) -> Response {
     let text: Vec<&str> = message
         .parts
         .iter()
@@ -174,6 +196,7 @@ async fn send(app: &AppState, viewer: Viewer, conversation: &str, message: &UiMe
     stream(
         app,
         viewer,
+        held,
         run,
         &Cursor::START.to_string(),
         projector,
@@ -187,6 +210,7 @@ async fn send(app: &AppState, viewer: Viewer, conversation: &str, message: &UiMe
 async fn decide(
     app: &AppState,
     viewer: Viewer,
+    held: Held,
     conversation: &str,
     message: &UiMessage,
 ) -> Response {
@@ -226,22 +250,47 @@ async fn decide(
         data["message"]["runId"].as_str(),
         data["conversation"]["lastCursor"].as_str(),
     ) else {
-        return sse::refused(&sse::errors("message not found", "NOT_FOUND"));
+        return not_found("message not found");
     };
     if data["message"]["conversationId"] != conversation {
-        return sse::refused(&sse::errors("message not found", "NOT_FOUND"));
+        return not_found("message not found");
     }
     // What the client has: the message as it stands before the decisions
     // (the run is parked), read after the cursor the stream follows from,
     // so that nothing after it is missed and nothing before it sent again.
-    let mut projector = Projector::new(run);
-    match snapshot(app, &viewer, &message.id, run).await {
-        Ok(before) => {
-            projector.sync(&before, &mut Vec::new());
-        }
+    let before = match snapshot(app, &viewer, &message.id, run).await {
+        Ok(before) => before,
         Err(body) => return sse::refused(&body),
+    };
+    // Each approval must be one of this message's: pending, to decide, or
+    // decided already (a repeated request), to leave as it is. Nothing is
+    // decided unless every one is.
+    let pending: HashMap<&str, &str> = before["pendingApprovals"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|p| Some((p["interactionId"].as_str()?, p["toolCallId"].as_str()?)))
+        .collect();
+    let shown: HashSet<&str> = before["message"]["parts"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|part| part["kind"] == "APPROVAL")
+        .filter_map(|part| part["interactionId"].as_str())
+        .collect();
+    if let Some((unknown, _)) = decisions
+        .iter()
+        .find(|(id, _)| !pending.contains_key(id) && !shown.contains(id))
+    {
+        return not_found(&format!("approval {unknown} not found in this message"));
     }
+    let mut projector = Projector::new(run);
+    projector.sync(&before, &mut Vec::new());
+    let mut awaiting = Vec::new();
     for (interaction, decision) in decisions {
+        let Some(call) = pending.get(interaction) else {
+            continue;
+        };
         let decided = execute(
             app,
             &viewer,
@@ -253,9 +302,15 @@ async fn decide(
         if let Err(body) = decided {
             return sse::refused(&body);
         }
+        awaiting.push((*call).to_owned());
     }
+    projector.await_outcomes(awaiting);
     let message_id = message.id.clone();
-    stream(app, viewer, run, after, projector, Some(message_id)).await
+    stream(app, viewer, held, run, after, projector, Some(message_id)).await
+}
+
+fn not_found(message: &str) -> Response {
+    sse::refused(&sse::errors(message, "NOT_FOUND"))
 }
 
 /// The run's message as the UI message stream, from its feed after
@@ -264,15 +319,12 @@ async fn decide(
 async fn stream(
     app: &AppState,
     viewer: Viewer,
+    held: Held,
     run: &str,
     after: &str,
     mut projector: Projector,
     mut message: Option<String>,
 ) -> Response {
-    let held = match sse::slot(app).and_then(|slot| Ok((slot, sse::share(app, &viewer)?))) {
-        Ok(held) => held,
-        Err(body) => return sse::refused(&body),
-    };
     let frames = match sse::follow(app, &viewer, Feed::Run, run, after).await {
         Ok(frames) => frames,
         Err(body) => return sse::refused(&body),
@@ -292,8 +344,8 @@ async fn stream(
                 let Frame::Next(payload) = frame else { continue };
                 let event = match event_of(&payload) {
                     Ok(event) => event,
-                    Err(errors) => {
-                        out.push(json!({ "type": "error", "errorText": errors }));
+                    Err(error) => {
+                        out.push(json!({ "type": "error", "errorText": error }));
                         ended = true;
                         break;
                     }
@@ -305,9 +357,14 @@ async fn stream(
                     message = Some(id);
                     changed = true;
                 } else if kind == "part.delta" {
+                    // Deltas of this message only: a later reply of the run
+                    // (after a steered message) shows in the history.
                     let (Some(id), Some(part)) = (&message, event["partId"].as_str()) else {
                         continue;
                     };
+                    if event["messageId"] != id.as_str() {
+                        continue;
+                    }
                     // A delta of a part not sent yet: the part first.
                     if !projector.knows(part) {
                         match snapshot(&app, &viewer, id, &run).await {
@@ -317,7 +374,7 @@ async fn stream(
                                 }
                             }
                             Err(errors) => {
-                                out.push(json!({ "type": "error", "errorText": errors.to_string() }));
+                                out.push(json!({ "type": "error", "errorText": error_text(&errors) }));
                                 ended = true;
                                 break;
                             }
@@ -326,6 +383,12 @@ async fn stream(
                     let offset = event["offset"].as_u64().unwrap_or_default() as usize;
                     let text = event["text"].as_str().unwrap_or_default();
                     projector.delta(part, offset, text, &mut out);
+                } else if message.is_none() && FINAL.contains(&kind) {
+                    // Ended before it had a message: cancelled while queued.
+                    let status = event["status"].as_str().unwrap_or_default();
+                    projector.ended_without_message(status, &mut out);
+                    ended = true;
+                    break;
                 } else {
                     changed = true;
                 }
@@ -339,7 +402,7 @@ async fn stream(
                         }
                     }
                     Err(errors) => {
-                        out.push(json!({ "type": "error", "errorText": errors.to_string() }));
+                        out.push(json!({ "type": "error", "errorText": error_text(&errors) }));
                         ended = true;
                     }
                 }
@@ -359,6 +422,14 @@ async fn stream(
         HeaderValue::from_static("v1"),
     );
     response
+}
+
+/// What a failure's error body says, for the stream's `error` part.
+fn error_text(body: &Value) -> String {
+    body["errors"][0]["message"]
+        .as_str()
+        .unwrap_or("the run's message could not be read")
+        .to_owned()
 }
 
 /// The message's and the run's state now.

@@ -24,7 +24,7 @@
 //! process that made them: behind a load balancer, single-connection mode
 //! needs the stream and its operations routed to one instance.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -40,6 +40,7 @@ use futures_util::stream::BoxStream;
 use serde::Deserialize;
 use tokio::sync::mpsc;
 use tokio_stream::StreamMap;
+use tokio_util::sync::CancellationToken;
 
 use super::AppState;
 use super::auth::Viewer;
@@ -58,24 +59,23 @@ pub struct Reservations {
     by_token: Mutex<HashMap<String, Arc<Reservation>>>,
 }
 
+/// An operation started on a stream: its id and its frames.
+type Started = (String, BoxStream<'static, Frame>);
+
 /// A stream reserved by a `PUT`, open or still to be opened.
 struct Reservation {
     tenant: String,
     principal: String,
-    /// Operations started or stopped, for the stream to serve.
-    control: mpsc::Sender<Control>,
+    /// Operations started, for the stream to serve: at most as many as the
+    /// stream may hold (`operations` counts them), so there is always room.
+    starts: mpsc::Sender<Started>,
     /// Taken by the stream that opens the reservation: there is one.
-    inbox: Mutex<Option<mpsc::Receiver<Control>>>,
+    inbox: Mutex<Option<mpsc::Receiver<Started>>>,
     /// The principal's socket share, held from the `PUT`, then by the open
     /// stream.
     share: Mutex<Option<Share>>,
-    /// The ids of the operations not yet complete.
-    operations: Mutex<HashSet<String>>,
-}
-
-enum Control {
-    Start(String, BoxStream<'static, Frame>),
-    Stop(String),
+    /// The operations not yet complete, each with what stops it.
+    operations: Mutex<HashMap<String, CancellationToken>>,
 }
 
 /// What the URL may carry.
@@ -112,7 +112,7 @@ pub async fn graphql_stream(State(app): State<AppState>, request: Request) -> Re
         }
         (&Method::GET | &Method::POST, None, true) => distinct(&app, &parts, body, params).await,
         (&Method::POST, Some(token), false) => start(&app, &parts.headers, &token, body).await,
-        (&Method::DELETE | &Method::POST, None, false) => bad_request(
+        (&Method::DELETE, None, _) | (&Method::POST, None, false) => bad_request(
             "without Accept: text/event-stream, a request needs the token of a reserved stream",
         ),
         (&Method::GET, _, false) => json_response(
@@ -154,11 +154,13 @@ async fn distinct(app: &AppState, parts: &Parts, body: Body, params: Params) -> 
         Ok(posted) => posted,
         Err(refused) => return refused,
     };
-    let held = match sse::slot(app).and_then(|slot| Ok((slot, sse::share(app, &viewer)?))) {
+    let held = match sse::hold(app, &viewer) {
         Ok(held) => held,
         Err(body) => return sse::refused(&body),
     };
-    let frames = operation(app, &viewer, Distinct, request);
+    // Distinct-connections mode's data: the execution result; nothing with
+    // `complete`.
+    let frames = operation(app, &viewer, sse::Unframed, request);
     sse::stream(app, &viewer, frames.map(event).boxed(), held)
 }
 
@@ -177,13 +179,12 @@ async fn reserve(app: &AppState, headers: &HeaderMap) -> Response {
         return sse::refused(&sse::errors("internal error", "INTERNAL"));
     }
     let token = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(bytes);
-    // Started and stopped operations wait here until the stream serves
-    // them: at most two messages for each operation a stream may hold.
-    let (control, inbox) = mpsc::channel(app.limits.ws_max_operations.saturating_mul(2).max(1));
+    // Started operations wait here until the stream serves them.
+    let (starts, inbox) = mpsc::channel(app.limits.ws_max_operations.max(1));
     let reservation = Arc::new(Reservation {
         tenant: viewer.tenant.clone(),
         principal: viewer.principal.clone(),
-        control,
+        starts,
         inbox: Mutex::new(Some(inbox)),
         share: Mutex::new(Some(share)),
         operations: Mutex::default(),
@@ -213,24 +214,16 @@ async fn open(app: &AppState, headers: &HeaderMap, token: &str, params: Params) 
         Ok(viewer) => viewer,
         Err(refused) => return unauthenticated(&refused),
     };
-    let Some(reservation) = app.graphql_sse.of(token, &viewer) else {
-        return not_found();
-    };
     let slot = match sse::slot(app) {
         Ok(slot) => slot,
         Err(body) => return sse::refused(&body),
     };
-    let inbox = reservation
-        .inbox
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .take();
-    let Some(inbox) = inbox else {
-        return json_response(
-            StatusCode::CONFLICT,
-            "application/json",
-            &sse::errors("the stream is already open", "CONFLICT"),
-        );
+    let (reservation, inbox) = match app.graphql_sse.open(token, &viewer) {
+        Opening::Opened(reservation, inbox) => (reservation, inbox),
+        Opening::NotFound => return not_found(),
+        Opening::AlreadyOpen => {
+            return sse::refused(&sse::errors("the stream is already open", "CONFLICT"));
+        }
     };
     let share = reservation
         .share
@@ -248,7 +241,7 @@ async fn open(app: &AppState, headers: &HeaderMap, token: &str, params: Params) 
 /// The open stream's events: each operation's frames as they come.
 fn serve_reservation(
     reservation: Arc<Reservation>,
-    mut inbox: mpsc::Receiver<Control>,
+    mut inbox: mpsc::Receiver<Started>,
     opened: Opened,
 ) -> BoxStream<'static, Event> {
     async_stream::stream! {
@@ -256,12 +249,9 @@ fn serve_reservation(
         let mut served: StreamMap<String, BoxStream<'static, Frame>> = StreamMap::new();
         loop {
             tokio::select! {
-                control = inbox.recv() => match control {
-                    Some(Control::Start(id, frames)) => {
+                start = inbox.recv() => match start {
+                    Some((id, frames)) => {
                         served.insert(id, frames);
-                    }
-                    Some(Control::Stop(id)) => {
-                        served.remove(&id);
                     }
                     // The reservation keeps a sender while the stream is
                     // served: never.
@@ -295,14 +285,14 @@ async fn start(app: &AppState, headers: &HeaderMap, token: &str, body: Body) -> 
         Some(async_graphql::Value::String(id)) if !id.is_empty() => id.clone(),
         _ => return bad_request("extensions.operationId must name the operation"),
     };
+    let stop = CancellationToken::new();
     {
         let mut operations = reservation.operations();
-        if operations.contains(&id) {
-            return json_response(
-                StatusCode::CONFLICT,
-                "application/json",
-                &sse::errors("an operation with this operationId is running", "CONFLICT"),
-            );
+        if operations.contains_key(&id) {
+            return sse::refused(&sse::errors(
+                "an operation with this operationId is running",
+                "CONFLICT",
+            ));
         }
         let most = app.limits.ws_max_operations;
         if operations.len() >= most {
@@ -310,18 +300,55 @@ async fn start(app: &AppState, headers: &HeaderMap, token: &str, body: Body) -> 
                 "too many operations on this stream (at most {most})"
             ));
         }
-        operations.insert(id.clone());
+        operations.insert(id.clone(), stop.clone());
     }
-    let frames = operation(app, &viewer, Single::new(&id), request);
-    if reservation
-        .control
-        .try_send(Control::Start(id.clone(), frames))
-        .is_err()
-    {
+    let framing = Single::new(&id);
+    let complete = framing.complete();
+    let frames = operation(app, &viewer, framing, request);
+    // An operation ends when it is stopped, or when the token that started
+    // it expires, as a WebSocket's operations end with its token.
+    let frames = until(frames, stop, viewer.expires_in(), complete);
+    // There is room: the stream holds at most as many operations.
+    if reservation.starts.try_send((id.clone(), frames)).is_err() {
         reservation.operations().remove(&id);
         return not_found();
     }
     StatusCode::ACCEPTED.into_response()
+}
+
+/// `frames`, ended with `complete` when `stop` is cancelled or `within`
+/// has passed.
+fn until(
+    frames: BoxStream<'static, Frame>,
+    stop: CancellationToken,
+    within: Duration,
+    complete: String,
+) -> BoxStream<'static, Frame> {
+    async_stream::stream! {
+        let mut frames = frames;
+        let expired = tokio::time::sleep(within);
+        tokio::pin!(expired);
+        loop {
+            tokio::select! {
+                frame = frames.next() => match frame {
+                    Some(frame) => {
+                        let last = matches!(frame, Frame::Last(_));
+                        yield frame;
+                        if last {
+                            break;
+                        }
+                    }
+                    None => break,
+                },
+                () = stop.cancelled() => break,
+                () = &mut expired => {
+                    yield Frame::Last(complete);
+                    break;
+                }
+            }
+        }
+    }
+    .boxed()
 }
 
 /// A `DELETE` with a stream's token and `?operationId=`: the operation
@@ -338,8 +365,8 @@ async fn stop(app: &AppState, headers: &HeaderMap, token: &str, params: Params) 
         return bad_request("?operationId= must name the operation to stop");
     };
     // An operation complete already, or never started, has nothing to stop.
-    if reservation.operations().remove(&id) {
-        let _ = reservation.control.try_send(Control::Stop(id));
+    if let Some(stop) = reservation.operations().remove(&id) {
+        stop.cancel();
     }
     StatusCode::OK.into_response()
 }
@@ -371,20 +398,6 @@ fn event(frame: Frame) -> Event {
     match frame {
         Frame::Next(data) => Event::default().event("next").data(data),
         Frame::Last(data) => Event::default().event("complete").data(data),
-    }
-}
-
-/// Distinct-connections mode's data: the execution result; nothing with
-/// `complete`.
-struct Distinct;
-
-impl Framing for Distinct {
-    fn next(&self, payload: &str) -> String {
-        payload.to_owned()
-    }
-
-    fn complete(&self) -> String {
-        String::new()
     }
 }
 
@@ -425,6 +438,27 @@ impl Reservations {
             .cloned()
     }
 
+    /// The reservation of `token`, if it is `viewer`'s, opened: its inbox
+    /// taken under the map's lock, so that it cannot lapse meanwhile.
+    fn open(&self, token: &str, viewer: &Viewer) -> Opening {
+        let tokens = self.tokens();
+        let Some(reservation) = tokens
+            .get(token)
+            .filter(|r| r.tenant == viewer.tenant && r.principal == viewer.principal)
+        else {
+            return Opening::NotFound;
+        };
+        let inbox = reservation
+            .inbox
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        match inbox {
+            Some(inbox) => Opening::Opened(reservation.clone(), inbox),
+            None => Opening::AlreadyOpen,
+        }
+    }
+
     /// Lets a reservation go if no stream has opened it.
     fn remove_unopened(&self, token: &str) {
         let mut tokens = self.tokens();
@@ -445,8 +479,15 @@ impl Reservations {
     }
 }
 
+/// What opening a reservation came to.
+enum Opening {
+    Opened(Arc<Reservation>, mpsc::Receiver<Started>),
+    NotFound,
+    AlreadyOpen,
+}
+
 impl Reservation {
-    fn operations(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
+    fn operations(&self) -> std::sync::MutexGuard<'_, HashMap<String, CancellationToken>> {
         self.operations
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -467,11 +508,7 @@ impl Drop for Opened {
 }
 
 fn not_found() -> Response {
-    json_response(
-        StatusCode::NOT_FOUND,
-        "application/json",
-        &sse::errors("stream not found", "NOT_FOUND"),
-    )
+    sse::refused(&sse::errors("stream not found", "NOT_FOUND"))
 }
 
 fn bad_request(message: &str) -> Response {

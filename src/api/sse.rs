@@ -112,7 +112,7 @@ async fn events(
         Ok(viewer) => viewer,
         Err(refused) => return unauthenticated(&refused),
     };
-    let held = match slot(app).and_then(|slot| Ok((slot, share(app, &viewer)?))) {
+    let held = match hold(app, &viewer) {
         Ok(held) => held,
         Err(body) => return refused(&body),
     };
@@ -193,6 +193,15 @@ pub(super) fn without_locations(body: &mut Value) {
             err.remove("path");
         }
     }
+}
+
+/// What a stream holds while it is served: a slot and a share (`slot`,
+/// `share`).
+pub(super) type Held = (OwnedSemaphorePermit, Share);
+
+/// The slot and share a stream holds, or the refusal's body.
+pub(super) fn hold(app: &AppState, viewer: &Viewer) -> Result<Held, Value> {
+    slot(app).and_then(|slot| Ok((slot, share(app, viewer)?)))
 }
 
 /// A slot of those kept from HTTP requests and the probes
@@ -286,7 +295,7 @@ pub(super) fn stream<H: Send + 'static>(
 
 /// The payloads as the fan-out renders them: the transport's framing is
 /// `sse_event`'s, which reads the event's type and cursor from it.
-struct Unframed;
+pub(super) struct Unframed;
 
 impl Framing for Unframed {
     fn next(&self, payload: &str) -> String {

@@ -340,6 +340,26 @@ async fn an_approval_ends_the_stream_and_the_answer_continues_the_same_message()
             ] },
         ],
     });
+    // An approval of another message, or a decision sent for another
+    // conversation, is not found, and decides nothing.
+    let mut elsewhere = decided.clone();
+    elsewhere["id"] = json!(server.create_conversation(&token).await);
+    assert_eq!(post(&server, Some(&token), &elsewhere).await.status(), 404);
+    let mut unknown = decided.clone();
+    unknown["messages"][1]["parts"][1]["approval"]["id"] = json!(uuid::Uuid::now_v7());
+    assert_eq!(post(&server, Some(&token), &unknown).await.status(), 404);
+    let still = server
+        .gql(
+            &token,
+            "query($r: ID!) { pendingApproval(runId: $r) { interactionId } }",
+            json!({ "r": run }),
+        )
+        .await;
+    assert_eq!(
+        still["pendingApproval"]["interactionId"],
+        pending["interactionId"]
+    );
+
     let continued = chunks(post(&server, Some(&token), &decided).await).await;
     assert_eq!(continued[0]["type"], "start");
     assert_eq!(
@@ -356,7 +376,13 @@ async fn an_approval_ends_the_stream_and_the_answer_continues_the_same_message()
     );
     assert_eq!(continued.last().unwrap()["finishReason"], "stop");
     let (_, text) = reply(&server, &token, &conversation, &run).await;
-    assert!(text.ends_with(&text_of(&continued)), "{text:?}");
+    let new_text = text_of(&continued);
+    assert!(!new_text.is_empty(), "the next step's text: {continued:?}");
+    assert!(text.ends_with(&new_text), "{text:?}");
+    assert!(
+        !new_text.contains("Calling"),
+        "the first step is not sent again"
+    );
     let outcome = server
         .gql(
             &token,

@@ -382,3 +382,127 @@ async fn a_reservation_holds_a_socket_share_until_its_stream_ends_or_it_lapses()
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
 }
+
+/// An open single-connection stream, read event by event.
+struct Stream {
+    body: futures_util::stream::BoxStream<'static, reqwest::Result<axum::body::Bytes>>,
+    buffer: String,
+}
+
+impl Stream {
+    /// The next `(event, data)`, past heartbeats.
+    async fn next(&mut self) -> (String, Value) {
+        loop {
+            if let Some(end) = self.buffer.find("\n\n") {
+                let block: String = self.buffer.drain(..end + 2).collect();
+                if let Some((event, data)) = events_of(&block).pop() {
+                    return (event, serde_json::from_str(&data).unwrap());
+                }
+                continue;
+            }
+            let chunk =
+                tokio::time::timeout(PATIENCE, futures_util::StreamExt::next(&mut self.body))
+                    .await
+                    .expect("the stream sends within the patience")
+                    .expect("the stream stays open")
+                    .unwrap();
+            self.buffer.push_str(std::str::from_utf8(&chunk).unwrap());
+        }
+    }
+
+    /// Reads until operation `id` completes; what came for each operation
+    /// on the way, `next`s only.
+    async fn until_complete(&mut self, id: &str) -> Vec<(String, Value)> {
+        let mut seen = Vec::new();
+        loop {
+            let (event, data) = self.next().await;
+            let of = data["id"].as_str().unwrap().to_owned();
+            if event == "complete" && of == id {
+                return seen;
+            }
+            if event == "next" {
+                seen.push((of, data["payload"].clone()));
+            }
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_stopped_operation_sends_nothing_more_and_the_stream_goes_on() {
+    let server = Server::start_workers(WORKER_CONFIG).await;
+    let token = server.token("acme", "ada");
+    let conversation = server.create_conversation(&token).await;
+    let (_, run) = server.send(&token, &conversation, "/hold 2").await;
+    let url = format!("{}/graphql/stream", server.base);
+    let reservation = server
+        .http()
+        .put(&url)
+        .bearer_auth(&token)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let opened = server
+        .http()
+        .get(&url)
+        .bearer_auth(&token)
+        .header("accept", "text/event-stream")
+        .header("x-graphql-event-stream-token", &reservation)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(opened.status(), 200);
+    let mut stream = Stream {
+        body: futures_util::StreamExt::boxed(opened.bytes_stream()),
+        buffer: String::new(),
+    };
+    let start = |id: &str, body: Value| {
+        let mut body = body;
+        body["extensions"] = json!({ "operationId": id });
+        server
+            .http()
+            .post(&url)
+            .bearer_auth(&token)
+            .header("x-graphql-event-stream-token", &reservation)
+            .json(&body)
+            .send()
+    };
+    let events =
+        json!({ "query": RUN_EVENTS, "variables": { "r": run, "after": "0000000000000000" } });
+    assert_eq!(start("x", events).await.unwrap().status(), 202);
+    let (event, first) = stream.next().await;
+    assert_eq!((event.as_str(), first["id"].as_str()), ("next", Some("x")));
+
+    let stopped = server
+        .http()
+        .delete(format!("{url}?operationId=x"))
+        .bearer_auth(&token)
+        .header("x-graphql-event-stream-token", &reservation)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(stopped.status(), 200);
+    // What x had sent before the stop may still come; once another
+    // operation has completed after the run ended, nothing more of x does.
+    let typename = json!({ "query": "{ __typename }" });
+    assert_eq!(start("y", typename.clone()).await.unwrap().status(), 202);
+    stream.until_complete("y").await;
+    server.wait_until_ended(&token, &run).await;
+    assert_eq!(start("z", typename).await.unwrap().status(), 202);
+    let after_the_end = stream.until_complete("z").await;
+    assert_eq!(
+        after_the_end,
+        [("z".to_owned(), json!({ "data": { "__typename": "Query" } }))],
+        "nothing of the stopped operation, though its run went on to its end"
+    );
+    // The id is free again.
+    assert_eq!(
+        start("x", json!({ "query": "{ __typename }" }))
+            .await
+            .unwrap()
+            .status(),
+        202
+    );
+}

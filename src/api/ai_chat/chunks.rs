@@ -33,13 +33,17 @@ pub struct Projector {
     approvals: HashSet<String>,
     /// The data of each data part sent, by its id.
     data: HashMap<String, Value>,
+    /// Calls decided by the request this stream answers: the run parked
+    /// on another pause does not end the stream before their outcomes,
+    /// or the client would send the same decisions again.
+    awaiting: HashSet<String>,
 }
 
 /// A text or reasoning part sent.
 struct Text {
     kind: &'static str,
-    sent: String,
-    /// `sent`'s length in UTF-16 code units, as deltas count.
+    /// How much of its text was sent, in UTF-16 code units, as deltas
+    /// count.
     sent_units: usize,
     open: bool,
 }
@@ -70,9 +74,16 @@ impl Projector {
         }));
     }
 
-    /// Whether a delta of this part can be sent now: its part was.
+    /// Whether the part was sent (open or done): a delta of a part not
+    /// yet sent needs the part first.
     pub fn knows(&self, part_id: &str) -> bool {
-        self.texts.get(part_id).is_some_and(|text| text.open)
+        self.texts.contains_key(part_id)
+    }
+
+    /// Calls whose outcome the stream waits for even while the run is
+    /// parked (see `awaiting`).
+    pub fn await_outcomes(&mut self, calls: impl IntoIterator<Item = String>) {
+        self.awaiting.extend(calls);
     }
 
     /// A live delta: the text at `offset` (UTF-16 code units) of the part;
@@ -91,7 +102,6 @@ impl Projector {
         if new.is_empty() {
             return;
         }
-        text.sent.push_str(new);
         text.sent_units += units(new);
         out.push(json!({ "type": format!("{}-delta", text.kind), "id": part_id, "delta": new }));
     }
@@ -126,9 +136,13 @@ impl Projector {
                 }));
             }
         }
+        let decided = self
+            .awaiting
+            .iter()
+            .all(|call| self.tools.get(call) == Some(&true));
         match snapshot["run"]["status"].as_str() {
             Some("COMPLETED" | "FAILED" | "CANCELLED") => Standing::Ended,
-            Some(status) if status.starts_with("WAITING_FOR_") => Standing::Parked,
+            Some(status) if status.starts_with("WAITING_FOR_") && decided => Standing::Parked,
             _ => Standing::Going,
         }
     }
@@ -195,7 +209,6 @@ impl Projector {
                 id.to_owned(),
                 Text {
                     kind,
-                    sent: String::new(),
                     sent_units: 0,
                     open: true,
                 },
@@ -208,7 +221,6 @@ impl Projector {
         let persisted = part["text"].as_str().unwrap_or_default();
         // Deltas may have gone further than the last checkpoint.
         if let Some(new) = from_unit(persisted, text.sent_units).filter(|new| !new.is_empty()) {
-            text.sent.push_str(new);
             text.sent_units += units(new);
             out.push(json!({ "type": format!("{kind}-delta"), "id": id, "delta": new }));
         }
@@ -290,11 +302,24 @@ impl Projector {
     /// `snapshot` shows it.
     pub fn finish(&mut self, snapshot: &Value, out: &mut Vec<Value>) {
         self.end_step(out);
-        let status = snapshot["run"]["status"].as_str().unwrap_or_default();
+        let run = &snapshot["run"];
+        self.finish_as(
+            run["status"].as_str().unwrap_or_default(),
+            run["error"]["message"].as_str(),
+            out,
+        );
+    }
+
+    /// The response of a run that ended before it had a message (cancelled
+    /// while queued, say): a message with nothing but its end.
+    pub fn ended_without_message(&mut self, status: &str, out: &mut Vec<Value>) {
+        out.push(json!({ "type": "start", "messageMetadata": { "runId": self.run_id } }));
+        self.finish_as(status, None, out);
+    }
+
+    fn finish_as(&self, status: &str, error: Option<&str>, out: &mut Vec<Value>) {
         if status == "FAILED" {
-            let error = snapshot["run"]["error"]["message"]
-                .as_str()
-                .unwrap_or("the run failed");
+            let error = error.unwrap_or("the run failed");
             out.push(json!({ "type": "error", "errorText": error }));
             return;
         }
@@ -457,6 +482,23 @@ mod tests {
                 "finish",
             ]
         );
+    }
+
+    #[test]
+    fn a_decided_call_keeps_the_stream_open_while_the_run_waits_on_another_pause() {
+        let mut projector = Projector::new("r");
+        let call = |outcome: Value| json!([{ "id": "p", "kind": "TOOL_CALL", "toolCall": { "id": "c", "name": "publish", "input": {}, "outcome": outcome, "output": null } }]);
+        projector.sync(
+            &snapshot(call(Value::Null), "WAITING_FOR_APPROVAL", json!([])),
+            &mut Vec::new(),
+        );
+        projector.await_outcomes(["c".to_owned()]);
+        let mut out = Vec::new();
+        let waiting = snapshot(call(Value::Null), "WAITING_FOR_QUESTION", json!([]));
+        assert_eq!(projector.sync(&waiting, &mut out), Standing::Going);
+        let decided = snapshot(call(json!("SUCCEEDED")), "WAITING_FOR_QUESTION", json!([]));
+        assert_eq!(projector.sync(&decided, &mut out), Standing::Parked);
+        assert_eq!(types(&out), ["tool-output-available"]);
     }
 
     #[test]

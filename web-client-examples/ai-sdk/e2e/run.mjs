@@ -261,6 +261,7 @@ async function main() {
     check(post.headers.authorization === `Bearer ${token}`, "the POST has no bearer token");
     const body = JSON.parse(post.body);
     check(body.id === id && body.trigger === "submit-message" && body.messageId === undefined, `body: ${post.body}`);
+    check(body.messages.length === 1, `only the new message is sent (the server holds the history): ${body.messages.length}`);
     const last = body.messages.at(-1);
     check(last.role === "user" && last.parts.length === 1 && last.parts[0].type === "text" && last.parts[0].text === "hello from the browser", `last message: ${JSON.stringify(last)}`);
     const [answer] = since(responses, mark, "POST", "/ai/chat");

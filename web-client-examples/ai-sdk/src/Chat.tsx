@@ -21,6 +21,12 @@ export function ChatView({ token, conversationId, initialMessages }: { token: st
       new DefaultChatTransport<TetherUIMessage>({
         api: CHAT_API,
         headers: { Authorization: `Bearer ${token}` },
+        // Tether holds the history and reads only the last message: send
+        // that alone, so a long conversation never outgrows the request
+        // size limit.
+        prepareSendMessagesRequest: ({ id, messages, trigger, messageId }) => ({
+          body: { id, messages: messages.slice(-1), trigger, messageId },
+        }),
       }),
     [token],
   );
