@@ -1,7 +1,8 @@
 //! The HTTP listener: accepts TCP connections and serves HTTP/1.1 on them,
 //! WebSocket upgrades included, with the limits `axum::serve` does not
 //! offer: a header-read timeout, an idle keep-alive timeout and a cap on
-//! the connections served at once.
+//! the connections served at once. Event streams are written by
+//! `streaming`, outside hyper.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -22,6 +23,8 @@ use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 
 use crate::config::ApiConfig;
+
+mod streaming;
 
 /// The address the listener that accepted a connection is bound to (say
 /// `0.0.0.0:9000`, where the connection's own address would be one
@@ -117,6 +120,13 @@ async fn serve_connection(
     match tokio::time::timeout(limits.first_byte_timeout, tcp.peek(&mut first)).await {
         Ok(Ok(n)) if n > 0 => {}
         _ => return,
+    }
+    // An event stream keeps its connection for its whole life: served
+    // where hyper's buffers do not stay with it.
+    if first[0] == b'G'
+        && let Some(stream) = streaming::peek(&tcp).await
+    {
+        return streaming::serve(tcp, stream, local, permit, app, stopping).await;
     }
     let activity = Activity::new();
     let router = TowerToHyperService::new(app);

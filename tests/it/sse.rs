@@ -91,7 +91,12 @@ async fn get(
     path: &str,
     last_event_id: Option<&str>,
 ) -> reqwest::Response {
-    let mut request = server.http().get(format!("{}{path}", server.base));
+    // As `EventSource` asks: such a request is served outside hyper
+    // (`api::listener::streaming`).
+    let mut request = server
+        .http()
+        .get(format!("{}{path}", server.base))
+        .header("accept", "text/event-stream");
     if let Some(token) = token {
         request = request.bearer_auth(token);
     }
@@ -127,7 +132,7 @@ async fn open_slow(server: &Server, token: &str, path: &str) -> SseReader {
     socket.set_recv_buffer_size(4096).unwrap();
     let mut stream = socket.connect(server.addr.parse().unwrap()).await.unwrap();
     let request = format!(
-        "GET {path} HTTP/1.1\r\nHost: {}\r\nAuthorization: Bearer {token}\r\n\r\n",
+        "GET {path} HTTP/1.1\r\nHost: {}\r\nAccept: text/event-stream\r\nAuthorization: Bearer {token}\r\n\r\n",
         server.addr
     );
     stream.write_all(request.as_bytes()).await.unwrap();
@@ -146,6 +151,9 @@ async fn open_slow(server: &Server, token: &str, path: &str) -> SseReader {
         head.contains(&"transfer-encoding: chunked".to_owned()),
         "{head:?}"
     );
+    // Written outside hyper (`api::listener::streaming`), which never
+    // closes a kept-alive connection after one answer.
+    assert!(head.contains(&"connection: close".to_owned()), "{head:?}");
     // The chunked body, one chunk an item.
     let body = futures_util::stream::unfold(reader, |mut reader| async move {
         let mut size = String::new();
