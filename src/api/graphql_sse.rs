@@ -28,6 +28,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use async_graphql::parser::types::OperationType;
 use axum::body::Body;
 use axum::extract::{Query, Request, State};
 use axum::http::request::Parts;
@@ -43,6 +44,7 @@ use tokio_stream::StreamMap;
 use tokio_util::sync::CancellationToken;
 
 use super::AppState;
+use super::admission::operation_type;
 use super::auth::Viewer;
 use super::fanout::{self, Frame, Framing};
 use super::http::{GRAPHQL_REQUEST, json_response, posted, queried, refusal, unauthenticated};
@@ -304,7 +306,15 @@ async fn start(app: &AppState, headers: &HeaderMap, token: &str, body: Body) -> 
     }
     let framing = Single::new(&id);
     let complete = framing.complete();
-    let frames = operation(app, &viewer, framing, request);
+    let mut request = request;
+    // A mutation takes effect now, whether or not a stream ever reads its
+    // result; the rest runs as the stream reads it.
+    let frames = if is_mutation(app, &viewer, &mut request).await {
+        let done: Vec<Frame> = operation(app, &viewer, framing, request).collect().await;
+        futures_util::stream::iter(done).boxed()
+    } else {
+        operation(app, &viewer, framing, request)
+    };
     // An operation ends when it is stopped, or when the token that started
     // it expires, as a WebSocket's operations end with its token.
     let frames = until(frames, stop, viewer.expires_in(), complete);
@@ -314,6 +324,18 @@ async fn start(app: &AppState, headers: &HeaderMap, token: &str, body: Body) -> 
         return not_found();
     }
     StatusCode::ACCEPTED.into_response()
+}
+
+/// Whether the request is a mutation, read once admission has let its
+/// document through (a refused one is not: the schema refuses it again
+/// where the stream reads it).
+async fn is_mutation(
+    app: &AppState,
+    viewer: &Viewer,
+    request: &mut async_graphql::Request,
+) -> bool {
+    app.admission.admit(request, Some(viewer)).await.is_ok()
+        && operation_type(request) == Some(OperationType::Mutation)
 }
 
 /// `frames`, ended with `complete` when `stop` is cancelled or `within`

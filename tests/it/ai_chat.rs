@@ -190,6 +190,15 @@ async fn refusals_are_the_same_as_over_graphql() {
     let theirs: Value = theirs.json().await.unwrap();
     assert_eq!(theirs, nowhere.json::<Value>().await.unwrap());
     assert_eq!(theirs["errors"][0]["extensions"]["code"], "NOT_FOUND");
+    // What sendMessage over GraphQL answers.
+    let graphql = server
+        .gql_error(
+            &eve,
+            "mutation($c: ID!) { sendMessage(input: { conversationId: $c, text: \"hello\" }) { run { id } } }",
+            json!({ "c": conversation }),
+        )
+        .await;
+    assert_eq!(theirs["errors"][0]["message"], graphql["message"]);
     let stored = server
         .gql(
             &ada,

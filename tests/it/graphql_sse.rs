@@ -10,7 +10,7 @@ use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::Command;
 
-use crate::support::{PATIENCE, Server, WORKER_CONFIG};
+use crate::support::{PATIENCE, Server, WORKER_CONFIG, WsClient};
 
 const RUN_EVENTS: &str = "subscription($r: ID!, $after: String) { \
     events: runEvents(runId: $r, after: $after) { \
@@ -242,6 +242,17 @@ async fn refusals_are_the_same_as_over_graphql() {
     assert_eq!((next.as_str(), complete.as_str()), ("next", "complete"));
     let refusal: Value = serde_json::from_str(refusal).unwrap();
     assert_eq!(refusal["errors"][0]["extensions"]["code"], "NOT_FOUND");
+    // The refusal a WebSocket subscriber gets for the same subscription.
+    let mut socket = WsClient::connect(&server, &eve).await;
+    socket.subscribe("e", RUN_EVENTS, json!({ "r": run })).await;
+    let over_ws = socket.next_json().await.unwrap();
+    assert_eq!(over_ws["type"], "next", "{over_ws}");
+    for field in ["message", "extensions"] {
+        assert_eq!(
+            over_ws["payload"]["errors"][0][field], refusal["errors"][0][field],
+            "{over_ws}"
+        );
+    }
 
     // Single-connection mode: a reservation is its principal's alone.
     let stream = format!("{}/graphql/stream", server.base);
@@ -504,5 +515,43 @@ async fn a_stopped_operation_sends_nothing_more_and_the_stream_goes_on() {
             .unwrap()
             .status(),
         202
+    );
+}
+
+#[tokio::test]
+async fn a_mutation_takes_effect_at_its_post_though_no_stream_reads_it() {
+    let server = Server::start().await;
+    let token = server.token("acme", "ada");
+    let url = format!("{}/graphql/stream", server.base);
+    let reservation = server
+        .http()
+        .put(&url)
+        .bearer_auth(&token)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let posted = server
+        .http()
+        .post(&url)
+        .bearer_auth(&token)
+        .header("x-graphql-event-stream-token", &reservation)
+        .json(&json!({
+            "query": "mutation { createConversation(input: { title: \"never read\" }) { id } }",
+            "extensions": { "operationId": "m" },
+        }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(posted.status(), 202);
+    let listed = server
+        .gql(&token, "{ conversations { nodes { title } } }", json!({}))
+        .await;
+    assert_eq!(
+        listed["conversations"]["nodes"],
+        json!([{ "title": "never read" }]),
+        "the 202 came after the mutation took effect"
     );
 }
