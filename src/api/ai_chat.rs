@@ -23,6 +23,7 @@ mod chunks;
 use std::collections::{HashMap, HashSet};
 
 use async_graphql::Variables;
+use axum::extract::rejection::QueryRejection;
 use axum::extract::{Path, Query, Request, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::sse::Event;
@@ -120,9 +121,13 @@ pub async fn chat(State(app): State<AppState>, request: Request) -> Response {
 pub async fn resume(
     State(app): State<AppState>,
     Path(conversation): Path<String>,
-    Query(params): Query<Params>,
+    params: Result<Query<Params>, QueryRejection>,
     headers: HeaderMap,
 ) -> Response {
+    let Query(params) = match params {
+        Ok(params) => params,
+        Err(rejected) => return sse::malformed(&rejected),
+    };
     let viewer = match sse::caller(&app, &headers, params.access_token.as_deref()).await {
         Ok(viewer) => viewer,
         Err(refused) => return unauthenticated(&refused),

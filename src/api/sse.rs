@@ -21,6 +21,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_graphql::{Request, Variables};
+use axum::extract::rejection::QueryRejection;
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::sse::{Event, KeepAlive, Sse};
@@ -34,7 +35,7 @@ use tokio::sync::OwnedSemaphorePermit;
 use super::AppState;
 use super::auth::{AuthError, Refusal, Viewer};
 use super::fanout::{self, Admitted, Frame, Framing};
-use super::http::{authorization, json_response, unauthenticated};
+use super::http::{authorization, json_response, refusal, unauthenticated};
 use super::quotas::Share;
 use super::types::parse_id;
 use super::ws::viewer_data;
@@ -86,19 +87,34 @@ pub struct Params {
 pub async fn conversation_events(
     State(app): State<AppState>,
     Path(id): Path<String>,
-    Query(params): Query<Params>,
+    params: Result<Query<Params>, QueryRejection>,
     headers: HeaderMap,
 ) -> Response {
-    events(&app, Feed::Conversation, id, params, &headers).await
+    match params {
+        Ok(Query(params)) => events(&app, Feed::Conversation, id, params, &headers).await,
+        Err(rejected) => malformed(&rejected),
+    }
 }
 
 pub async fn run_events(
     State(app): State<AppState>,
     Path(id): Path<String>,
-    Query(params): Query<Params>,
+    params: Result<Query<Params>, QueryRejection>,
     headers: HeaderMap,
 ) -> Response {
-    events(&app, Feed::Run, id, params, &headers).await
+    match params {
+        Ok(Query(params)) => events(&app, Feed::Run, id, params, &headers).await,
+        Err(rejected) => malformed(&rejected),
+    }
+}
+
+/// A query string the endpoint cannot read, refused as GraphQL refuses
+/// bad input.
+pub(super) fn malformed(rejected: &QueryRejection) -> Response {
+    refusal(
+        StatusCode::BAD_REQUEST,
+        &format!("malformed query string: {}", rejected.body_text()),
+    )
 }
 
 async fn events(

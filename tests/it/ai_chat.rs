@@ -216,6 +216,22 @@ async fn refusals_are_the_same_as_over_graphql() {
         nowhere.json::<Value>().await.unwrap()
     );
 
+    let unreadable = server
+        .http()
+        .get(format!(
+            "{}/ai/chat/{conversation}/stream?access_token=a&access_token=b",
+            server.base
+        ))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(unreadable.status(), 400);
+    let unreadable: Value = unreadable.json().await.unwrap();
+    assert_eq!(
+        unreadable["errors"][0]["extensions"]["code"],
+        "BAD_USER_INPUT"
+    );
+
     // Nothing active: 204, which useChat takes as nothing to resume.
     assert_eq!(resume(&server, &ada, &conversation).await.status(), 204);
 

@@ -367,6 +367,21 @@ async fn refusals_are_the_same_as_over_graphql() {
         nowhere.json::<Value>().await.unwrap()
     );
 
+    let unreadable = get(
+        &server,
+        Some(&ada),
+        &format!("{path}?after=a&after=b"),
+        None,
+    )
+    .await;
+    assert_eq!(
+        unreadable.status(),
+        400,
+        "a query string that cannot be read"
+    );
+    let body: Value = unreadable.json().await.unwrap();
+    assert_eq!(body["errors"][0]["extensions"]["code"], "BAD_USER_INPUT");
+
     let malformed = get(&server, Some(&ada), &path, Some("not a cursor")).await;
     assert_eq!(malformed.status(), 400);
     let body: Value = malformed.json().await.unwrap();
