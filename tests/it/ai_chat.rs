@@ -396,7 +396,9 @@ async fn an_approval_ends_the_stream_and_the_answer_continues_the_same_message()
     assert_eq!(kinds[1], "tool-output-available", "{continued:?}");
     assert_eq!(continued[1]["toolCallId"], pending["toolCallId"]);
     assert!(
-        !kinds.contains(&"tool-input-available") && !kinds.contains(&"tool-approval-request"),
+        !kinds.contains(&"tool-input-start")
+            && !kinds.contains(&"tool-input-available")
+            && !kinds.contains(&"tool-approval-request"),
         "nothing the client has is sent again: {kinds:?}"
     );
     assert_eq!(continued.last().unwrap()["finishReason"], "stop");

@@ -7,7 +7,7 @@
 //! |---|---|
 //! | the assistant message | `start` (`messageId`, `messageMetadata.runId`), `start-step` |
 //! | a `TEXT` part (`REASONING`) | `text-start` (`reasoning-start`), `text-delta`s from `part.delta`s and the persisted text, `text-end` when done or when something follows |
-//! | a `TOOL_CALL` part | `tool-input-available` (`dynamic: true`); its outcome: `SUCCEEDED` `tool-output-available`, `DENIED` `tool-output-denied`, any other `tool-output-error` |
+//! | a `TOOL_CALL` part | `tool-input-start`, `tool-input-available` (`dynamic: true`); its outcome: `SUCCEEDED` `tool-output-available`, `DENIED` `tool-output-denied`, any other `tool-output-error` |
 //! | a text part after a tool call | `finish-step`, `start-step` |
 //! | a pending approval | `tool-approval-request` (`approvalId` the interaction, `toolCallId`) |
 //! | a `QUESTION` part | `data-question` (`id` the interaction), again when it changes |
@@ -237,6 +237,12 @@ impl Projector {
         if !self.tools.contains_key(id) {
             self.close_texts(out);
             out.push(json!({
+                "type": "tool-input-start",
+                "toolCallId": id,
+                "toolName": call["name"],
+                "dynamic": true,
+            }));
+            out.push(json!({
                 "type": "tool-input-available",
                 "toolCallId": id,
                 "toolName": call["name"],
@@ -446,6 +452,7 @@ mod tests {
                 "text-start",
                 "text-delta",
                 "text-end",
+                "tool-input-start",
                 "tool-input-available",
                 "tool-approval-request",
                 "finish-step",
