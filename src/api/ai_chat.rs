@@ -148,23 +148,11 @@ pub async fn resume(
         Err(body) => return sse::refused(&body),
     };
     if data["conversation"].is_null() {
-        return not_found("conversation not found");
+        return sse::not_found("conversation not found");
     }
     match data["conversation"]["activeRun"]["id"].as_str() {
         None => StatusCode::NO_CONTENT.into_response(),
-        Some(run) => {
-            let projector = Projector::new(run);
-            stream(
-                &app,
-                viewer,
-                held,
-                run,
-                &Cursor::START.to_string(),
-                projector,
-                None,
-            )
-            .await
-        }
+        Some(run) => from_start(&app, viewer, held, run).await,
     }
 }
 
@@ -197,17 +185,7 @@ async fn send(
     let Some(run) = data["sendMessage"]["run"]["id"].as_str() else {
         return sse::refused(&sse::errors("internal error", "INTERNAL"));
     };
-    let projector = Projector::new(run);
-    stream(
-        app,
-        viewer,
-        held,
-        run,
-        &Cursor::START.to_string(),
-        projector,
-        None,
-    )
-    .await
+    from_start(app, viewer, held, run).await
 }
 
 /// An assistant message with approval responses: each decided, and the
@@ -255,10 +233,10 @@ async fn decide(
         data["message"]["runId"].as_str(),
         data["conversation"]["lastCursor"].as_str(),
     ) else {
-        return not_found("message not found");
+        return sse::not_found("message not found");
     };
     if data["message"]["conversationId"] != conversation {
-        return not_found("message not found");
+        return sse::not_found("message not found");
     }
     // What the client has: the message as it stands before the decisions
     // (the run is parked), read after the cursor the stream follows from,
@@ -287,7 +265,7 @@ async fn decide(
         .iter()
         .find(|(id, _)| !pending.contains_key(id) && !shown.contains(id))
     {
-        return not_found(&format!("approval {unknown} not found in this message"));
+        return sse::not_found(&format!("approval {unknown} not found in this message"));
     }
     let mut projector = Projector::new(run);
     projector.sync(&before, &mut Vec::new());
@@ -314,8 +292,11 @@ async fn decide(
     stream(app, viewer, held, run, after, projector, Some(message_id)).await
 }
 
-fn not_found(message: &str) -> Response {
-    sse::refused(&sse::errors(message, "NOT_FOUND"))
+/// The run's message from its `start`, as a client that has none of it
+/// reads it.
+async fn from_start(app: &AppState, viewer: Viewer, held: Held, run: &str) -> Response {
+    let after = Cursor::START.to_string();
+    stream(app, viewer, held, run, &after, Projector::new(run), None).await
 }
 
 /// The run's message as the UI message stream, from its feed after

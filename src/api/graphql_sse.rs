@@ -52,6 +52,9 @@ use super::quotas::Share;
 use super::sse;
 use super::ws::viewer_data;
 
+/// The refusal of a stream token that is not the caller's reservation.
+const STREAM_NOT_FOUND: &str = "stream not found";
+
 /// Where a client of single-connection mode sends its stream's token.
 pub const TOKEN_HEADER: &str = "x-graphql-event-stream-token";
 
@@ -222,7 +225,7 @@ async fn open(app: &AppState, headers: &HeaderMap, token: &str, params: Params) 
     };
     let (reservation, inbox) = match app.graphql_sse.open(token, &viewer) {
         Opening::Opened(reservation, inbox) => (reservation, inbox),
-        Opening::NotFound => return not_found(),
+        Opening::NotFound => return sse::not_found(STREAM_NOT_FOUND),
         Opening::AlreadyOpen => {
             return sse::refused(&sse::errors("the stream is already open", "CONFLICT"));
         }
@@ -281,7 +284,7 @@ async fn start(app: &AppState, headers: &HeaderMap, token: &str, body: Body) -> 
             Err(refused) => return refused,
         };
     let Some(reservation) = app.graphql_sse.of(token, &viewer) else {
-        return not_found();
+        return sse::not_found(STREAM_NOT_FOUND);
     };
     let id = match request.extensions.get("operationId") {
         Some(async_graphql::Value::String(id)) if !id.is_empty() => id.clone(),
@@ -321,7 +324,7 @@ async fn start(app: &AppState, headers: &HeaderMap, token: &str, body: Body) -> 
     // There is room: the stream holds at most as many operations.
     if reservation.starts.try_send((id.clone(), frames)).is_err() {
         reservation.operations().remove(&id);
-        return not_found();
+        return sse::not_found(STREAM_NOT_FOUND);
     }
     StatusCode::ACCEPTED.into_response()
 }
@@ -381,7 +384,7 @@ async fn stop(app: &AppState, headers: &HeaderMap, token: &str, params: Params) 
         Err(refused) => return unauthenticated(&refused),
     };
     let Some(reservation) = app.graphql_sse.of(token, &viewer) else {
-        return not_found();
+        return sse::not_found(STREAM_NOT_FOUND);
     };
     let Some(id) = params.operation_id.filter(|id| !id.is_empty()) else {
         return bad_request("?operationId= must name the operation to stop");
@@ -527,10 +530,6 @@ impl Drop for Opened {
     fn drop(&mut self) {
         self.reservations.tokens().remove(&self.token);
     }
-}
-
-fn not_found() -> Response {
-    sse::refused(&sse::errors("stream not found", "NOT_FOUND"))
 }
 
 fn bad_request(message: &str) -> Response {

@@ -90,10 +90,7 @@ pub async fn conversation_events(
     params: Result<Query<Params>, QueryRejection>,
     headers: HeaderMap,
 ) -> Response {
-    match params {
-        Ok(Query(params)) => events(&app, Feed::Conversation, id, params, &headers).await,
-        Err(rejected) => malformed(&rejected),
-    }
+    events(&app, Feed::Conversation, id, params, &headers).await
 }
 
 pub async fn run_events(
@@ -102,10 +99,7 @@ pub async fn run_events(
     params: Result<Query<Params>, QueryRejection>,
     headers: HeaderMap,
 ) -> Response {
-    match params {
-        Ok(Query(params)) => events(&app, Feed::Run, id, params, &headers).await,
-        Err(rejected) => malformed(&rejected),
-    }
+    events(&app, Feed::Run, id, params, &headers).await
 }
 
 /// A query string the endpoint cannot read, refused as GraphQL refuses
@@ -121,9 +115,13 @@ async fn events(
     app: &AppState,
     feed: Feed,
     id: String,
-    params: Params,
+    params: Result<Query<Params>, QueryRejection>,
     headers: &HeaderMap,
 ) -> Response {
+    let Query(params) = match params {
+        Ok(params) => params,
+        Err(rejected) => return malformed(&rejected),
+    };
     let viewer = match caller(app, headers, params.access_token.as_deref()).await {
         Ok(viewer) => viewer,
         Err(refused) => return unauthenticated(&refused),
@@ -218,6 +216,12 @@ pub(super) type Held = (OwnedSemaphorePermit, Share);
 /// The slot and share a stream holds, or the refusal's body.
 pub(super) fn hold(app: &AppState, viewer: &Viewer) -> Result<Held, Value> {
     slot(app).and_then(|slot| Ok((slot, share(app, viewer)?)))
+}
+
+/// A `NOT_FOUND` refusal, as GraphQL gives it for what the caller cannot
+/// see.
+pub(super) fn not_found(message: &str) -> Response {
+    refused(&errors(message, "NOT_FOUND"))
 }
 
 /// A slot of those kept from HTTP requests and the probes

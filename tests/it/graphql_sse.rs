@@ -394,6 +394,19 @@ async fn a_reservation_holds_a_socket_share_until_its_stream_ends_or_it_lapses()
     }
 }
 
+/// A single-connection reservation of the token's principal: its token.
+async fn reserve(server: &Server, token: &str) -> String {
+    let put = server
+        .http()
+        .put(format!("{}/graphql/stream", server.base))
+        .bearer_auth(token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(put.status(), 201);
+    put.text().await.unwrap()
+}
+
 /// An open single-connection stream, read event by event.
 struct Stream {
     body: futures_util::stream::BoxStream<'static, reqwest::Result<axum::body::Bytes>>,
@@ -445,16 +458,7 @@ async fn a_stopped_operation_sends_nothing_more_and_the_stream_goes_on() {
     let conversation = server.create_conversation(&token).await;
     let (_, run) = server.send(&token, &conversation, "/hold 2").await;
     let url = format!("{}/graphql/stream", server.base);
-    let reservation = server
-        .http()
-        .put(&url)
-        .bearer_auth(&token)
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let reservation = reserve(&server, &token).await;
     let opened = server
         .http()
         .get(&url)
@@ -523,16 +527,7 @@ async fn a_mutation_takes_effect_at_its_post_though_no_stream_reads_it() {
     let server = Server::start().await;
     let token = server.token("acme", "ada");
     let url = format!("{}/graphql/stream", server.base);
-    let reservation = server
-        .http()
-        .put(&url)
-        .bearer_auth(&token)
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let reservation = reserve(&server, &token).await;
     let posted = server
         .http()
         .post(&url)
