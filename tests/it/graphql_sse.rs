@@ -3,7 +3,6 @@
 //! server (`scripts/sse-clients`), and the protocol's refusals read as a
 //! plain HTTP client reads them.
 
-use std::path::PathBuf;
 use std::process::Stdio;
 
 use serde_json::{Value, json};
@@ -33,11 +32,7 @@ async fn graphql_sse_client(
     single_connection: bool,
     operations: Value,
 ) -> Vec<Received> {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scripts/sse-clients");
-    assert!(
-        dir.join("node_modules/graphql-sse").is_dir(),
-        "the SSE clients' packages are missing: run `npm ci --prefix scripts/sse-clients`"
-    );
+    let dir = crate::support::npm_package("sse-clients", "graphql-sse");
     let count = operations.as_array().unwrap().len();
     let arguments = json!({
         "url": format!("{}/graphql/stream", server.base),

@@ -3,7 +3,6 @@
 //! PKCE S256 checked, codes good once, refresh tokens rotated, client
 //! secrets checked) in a node process of its own per test.
 
-use std::path::PathBuf;
 use std::process::Stdio;
 
 use serde_json::{Value, json};
@@ -31,11 +30,7 @@ pub struct AuthServer {
 impl AuthServer {
     /// Starts a server on a free port and waits until it listens.
     pub async fn start() -> AuthServer {
-        let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("scripts/oauth-mock");
-        assert!(
-            dir.join("node_modules/oauth2-mock-server").is_dir(),
-            "the OAuth mock's packages are missing: run `npm ci --prefix scripts/oauth-mock`"
-        );
+        let dir = crate::support::npm_package("oauth-mock", "oauth2-mock-server");
         let mut child = Command::new("node")
             .arg(dir.join("server.mjs"))
             .arg("0")

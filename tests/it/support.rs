@@ -1129,3 +1129,26 @@ pub fn assert_datetime(value: &Value) {
     let re = regex::Regex::new(r"^\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}\.\d{3}Z$").unwrap();
     assert!(re.is_match(text), "bad DateTime {text}");
 }
+
+/// `scripts/NAME`, an npm package the tests run with Node, its packages
+/// installed (`npm ci`, once per test process) when `node_modules` lacks
+/// `module`: `cargo test` works on a fresh machine that has Node and npm.
+pub fn npm_package(name: &str, module: &str) -> PathBuf {
+    static INSTALLING: Mutex<()> = Mutex::new(());
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("scripts")
+        .join(name);
+    let _one_at_a_time = INSTALLING
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if !dir.join("node_modules").join(module).is_dir() {
+        let status = std::process::Command::new("npm")
+            .args(["ci", "--no-audit", "--no-fund", "--prefix"])
+            .arg(&dir)
+            .stdout(Stdio::null())
+            .status()
+            .expect("npm runs (Node.js 20.19 or later is needed)");
+        assert!(status.success(), "npm ci --prefix scripts/{name} failed");
+    }
+    dir
+}
